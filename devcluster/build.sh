@@ -1,0 +1,118 @@
+#!/usr/bin/env bash
+# Build the real control-plane binaries from the Go module proxy, cached by version outside the repo.
+#   devcluster/build.sh            -> prints the bin directory on stdout (last line)
+# Components: etcd, kube-apiserver, kube-controller-manager, kube-scheduler, jobset controller, kwok.
+# Versions are pinned here; the cache key is the version set, so a bump rebuilds into a new folder.
+set -euo pipefail
+
+K8S_VERSION="${K8S_VERSION:-v1.35.4}"
+ETCD_VERSION="${ETCD_VERSION:-v3.6.5}"
+JOBSET_VERSION="${JOBSET_VERSION:-v0.11.0}"
+KWOK_VERSION="${KWOK_VERSION:-v0.7.0}"
+COMPONENTS="${COMPONENTS:-etcd kube-apiserver kube-controller-manager kube-scheduler jobset kwok}"
+
+CACHE_ROOT="${TPUJOB_CACHE:-$HOME/.cache/tpujob}"
+KEY="k8s-${K8S_VERSION}_etcd-${ETCD_VERSION}_jobset-${JOBSET_VERSION}_kwok-${KWOK_VERSION}"
+BIN="$CACHE_ROOT/bin/$KEY"
+SRC="$CACHE_ROOT/src/$KEY"
+mkdir -p "$BIN" "$SRC"
+# Go's own caches live in the same versioned root so CI can keep them between runs.
+export GOMODCACHE="${GOMODCACHE:-$CACHE_ROOT/go/mod}"
+export GOCACHE="${GOCACHE:-$CACHE_ROOT/go/build}"
+export GOFLAGS="-mod=mod"
+export CGO_ENABLED=0
+
+log() { echo "[build] $*" >&2; }
+
+k8s_wrapper() {
+  local dir="$SRC/k8s"
+  [ -f "$dir/go.sum" ] && return 0
+  mkdir -p "$dir"
+  local minor="v0.${K8S_VERSION#v1.}"
+  # k8s.io/kubernetes replaces its staging modules with local paths; replace each with the
+  # published v0.X.Y so the main module can be built from the proxy.
+  (cd "$dir" && go mod download -json "k8s.io/kubernetes@${K8S_VERSION}" >/dev/null)
+  local gomod="$GOMODCACHE/cache/download/k8s.io/kubernetes/@v/${K8S_VERSION}.mod"
+  {
+    echo "module tpujob.dev/devcluster/k8s"
+    echo "go 1.25"
+    echo "require k8s.io/kubernetes ${K8S_VERSION}"
+    echo "replace ("
+    grep -oE '^\s+k8s.io/[a-z0-9-]+ => ./staging' "$gomod" | awk -v v="$minor" '{print "\t" $1 " => " $1 " " v}'
+    echo ")"
+  } > "$dir/go.mod"
+  cat > "$dir/tools.go" <<'GO'
+//go:build tools
+
+package tools
+
+import (
+	_ "k8s.io/kubernetes/cmd/kube-apiserver"
+	_ "k8s.io/kubernetes/cmd/kube-controller-manager"
+	_ "k8s.io/kubernetes/cmd/kube-scheduler"
+)
+GO
+  (cd "$dir" && go mod tidy -e >/dev/null 2>&1 || true; go mod download >/dev/null)
+}
+
+etcd_wrapper() {
+  local dir="$SRC/etcd"
+  [ -f "$dir/go.sum" ] && return 0
+  mkdir -p "$dir"
+  cat > "$dir/go.mod" <<GOMOD
+module tpujob.dev/devcluster/etcd
+go 1.25
+require go.etcd.io/etcd/server/v3 ${ETCD_VERSION}
+GOMOD
+  cat > "$dir/main.go" <<'GO'
+package main
+
+import (
+	"os"
+
+	"go.etcd.io/etcd/server/v3/etcdmain"
+)
+
+func main() { etcdmain.Main(os.Args) }
+GO
+  (cd "$dir" && go mod tidy >/dev/null)
+}
+
+ldflags_k8s() {
+  local pkg="k8s.io/component-base/version"
+  local minor="${K8S_VERSION#v1.}"; minor="${minor%%.*}"
+  echo "-s -w -X ${pkg}.gitVersion=${K8S_VERSION} -X ${pkg}.gitMajor=1 -X ${pkg}.gitMinor=${minor} -X ${pkg}.gitTreeState=clean -X ${pkg}/verflag.programName=kubernetes"
+}
+
+build_one() {
+  local name="$1"
+  if [ -x "$BIN/$name" ]; then return 0; fi
+  local start=$SECONDS
+  log "building $name"
+  case "$name" in
+    kube-apiserver|kube-controller-manager|kube-scheduler)
+      k8s_wrapper
+      (cd "$SRC/k8s" && go build -trimpath -ldflags "$(ldflags_k8s)" -o "$BIN/$name.tmp" "k8s.io/kubernetes/cmd/$name") ;;
+    etcd)
+      etcd_wrapper
+      (cd "$SRC/etcd" && go build -trimpath -ldflags "-s -w" -o "$BIN/$name.tmp" .) ;;
+    jobset)
+      GOBIN="$BIN/.gobin" go install -trimpath -ldflags "-s -w" "sigs.k8s.io/jobset@${JOBSET_VERSION}"
+      mv "$BIN/.gobin/jobset" "$BIN/$name.tmp" ;;
+    kwok)
+      GOBIN="$BIN/.gobin" go install -trimpath -ldflags "-s -w" "sigs.k8s.io/kwok/cmd/kwok@${KWOK_VERSION}"
+      mv "$BIN/.gobin/kwok" "$BIN/$name.tmp" ;;
+    *) log "unknown component $name"; return 1 ;;
+  esac
+  mv "$BIN/$name.tmp" "$BIN/$name"
+  log "built $name in $((SECONDS - start))s"
+}
+
+for c in $COMPONENTS; do build_one "$c"; done
+# The JobSet CRD ships in the JobSet module: copy it next to the binaries.
+if [ ! -f "$BIN/jobset-crd.yaml" ]; then
+  (cd "$SRC" && go mod download -json "sigs.k8s.io/jobset@${JOBSET_VERSION}" >/dev/null)
+  cp "$GOMODCACHE/sigs.k8s.io/jobset@${JOBSET_VERSION}/config/components/crd/bases/jobset.x-k8s.io_jobsets.yaml" "$BIN/jobset-crd.yaml"
+  chmod u+w "$BIN/jobset-crd.yaml"
+fi
+echo "$BIN"
