@@ -1,0 +1,64 @@
+# tpujob: `make demo` runs the main job locally, `make test` runs every test tier.
+# Everything the targets need is installed by them; downloads and Go builds are cached by version
+# under $(TPUJOB_CACHE) (default ~/.cache/tpujob), outside the repository.
+SHELL := /bin/bash
+export TPUJOB_CACHE ?= $(HOME)/.cache/tpujob
+export PIP_CACHE_DIR ?= $(TPUJOB_CACHE)/pip
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+DEPS_STAMP := $(VENV)/.deps-$(shell cat requirements-dev.txt operator/pyproject.toml trainer_image/pyproject.toml devcluster/pyproject.toml | sha1sum | cut -c1-12)
+PYTEST_ARGS ?=
+
+.PHONY: setup venv binaries tools crds lint test test-unit test-integration test-trainer up down demo bench clean
+
+setup: venv binaries tools
+
+venv: $(DEPS_STAMP)
+$(DEPS_STAMP):
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q -r requirements-dev.txt -e operator -e trainer_image -e devcluster
+	rm -f $(VENV)/.deps-* && touch $@
+
+binaries:
+	devcluster/build.sh >/dev/null
+
+tools:
+	devcluster/tools.sh >/dev/null
+
+crds: venv
+	$(PY) -m tpujob_operator.crd
+
+lint: venv tools
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/mypy
+	$(PY) -m tpujob_operator.crd --check
+	$(VENV)/bin/hadolint Dockerfile trainer_image/Dockerfile
+
+test: setup lint
+	$(PY) -m pytest $(PYTEST_ARGS)
+
+test-unit: venv
+	$(PY) -m pytest tests/unit $(PYTEST_ARGS)
+
+test-integration: setup
+	$(PY) -m pytest tests/integration $(PYTEST_ARGS)
+
+test-trainer: venv
+	$(PY) -m pytest tests/trainer $(PYTEST_ARGS)
+
+up: setup
+	$(PY) -m tpujob_devcluster up
+
+down: venv
+	$(PY) -m tpujob_devcluster down
+
+demo: setup
+	$(PY) -m tpujob_devcluster demo
+
+bench: venv
+	$(PY) bench/checkpoint_policies.py
+
+clean: down
+	rm -rf .devcluster

@@ -1,0 +1,253 @@
+"""Start and stop a real Kubernetes control plane on loopback: etcd, kube-apiserver,
+kube-controller-manager (and, for the devcluster, more components), the way controller-runtime's
+envtest does it, with binaries built by devcluster/build.sh.
+
+Used by the pytest fixtures (tests/conftest.py) and by `make up` / `make down`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import ssl
+import subprocess
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO
+
+import yaml
+
+from .certs import PkiFiles, make_pki
+
+REPO_ROOT = Path(__file__).resolve().parents[3]
+BUILD_SCRIPT = REPO_ROOT / "devcluster" / "build.sh"
+SERVICE_CIDR = "10.96.0.0/24"  # allocation range only: no traffic is ever sent to it
+
+
+class ControlPlaneError(RuntimeError):
+    pass
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def build_binaries(components: str | None = None) -> Path:
+    """Run devcluster/build.sh (a no-op when the versioned cache has them) and return the bin dir."""
+    env = dict(os.environ)
+    if components:
+        env["COMPONENTS"] = components
+    result = subprocess.run(["bash", str(BUILD_SCRIPT)], env=env, check=False, stdout=subprocess.PIPE, text=True)
+    if result.returncode != 0:
+        raise ControlPlaneError(f"{BUILD_SCRIPT} failed with exit code {result.returncode} (see its output above)")
+    return Path(result.stdout.strip().splitlines()[-1])
+
+
+@dataclass
+class Component:
+    name: str
+    argv: list[str]
+    log_path: Path
+    process: subprocess.Popen[bytes] | None = None
+    log_file: IO[bytes] | None = None
+
+    def start(self, env: dict[str, str] | None = None) -> None:
+        self.log_file = self.log_path.open("ab")
+        self.process = subprocess.Popen(
+            self.argv, stdout=self.log_file, stderr=subprocess.STDOUT, start_new_session=True,
+            env={**os.environ, **(env or {})},
+        )
+
+    def alive(self) -> bool:
+        return self.process is not None and self.process.poll() is None
+
+    def stop(self, grace: float = 10.0) -> None:
+        if self.process is not None and self.process.poll() is None:
+            os.killpg(self.process.pid, signal.SIGTERM)
+            try:
+                self.process.wait(grace)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.process.pid, signal.SIGKILL)
+                self.process.wait()
+        if self.log_file is not None:
+            self.log_file.close()
+
+    def log_tail(self, lines: int = 30) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return ""
+
+
+@dataclass
+class ControlPlane:
+    """etcd + kube-apiserver + kube-controller-manager in `workdir` (certs, data, logs, kubeconfig)."""
+
+    workdir: Path
+    bin_dir: Path
+    controllers: str = "*,-nodeipam,-nodelifecycle,-cloud-node-lifecycle,-service,-route,-persistentvolume-binder,-attachdetach"
+    components: list[Component] = field(default_factory=list)
+    api_port: int = 0
+    etcd_port: int = 0
+    pki: PkiFiles | None = None
+
+    @property
+    def kubeconfig(self) -> Path:
+        return self.workdir / "kubeconfig"
+
+    @property
+    def server(self) -> str:
+        return f"https://127.0.0.1:{self.api_port}"
+
+    def start(self, timeout: float = 120.0) -> "ControlPlane":
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        logs = self.workdir / "logs"
+        logs.mkdir(exist_ok=True)
+        self.pki = make_pki(self.workdir / "pki")
+        self.api_port = self.api_port or free_port()
+        self.etcd_port = self.etcd_port or free_port()
+        self._write_kubeconfig()
+        etcd = Component("etcd", [
+            str(self.bin_dir / "etcd"),
+            f"--data-dir={self.workdir / 'etcd'}",
+            f"--listen-client-urls=http://127.0.0.1:{self.etcd_port}",
+            f"--advertise-client-urls=http://127.0.0.1:{self.etcd_port}",
+            f"--listen-peer-urls=http://127.0.0.1:{free_port()}",
+            "--unsafe-no-fsync",  # test data: durability is not worth the fsync latency on a shared disk
+            "--log-level=warn",
+        ], logs / "etcd.log")
+        self._launch(etcd)
+        self._wait(lambda: _http_ok(f"http://127.0.0.1:{self.etcd_port}/health"), etcd, timeout)
+        apiserver = Component("kube-apiserver", self._apiserver_argv(), logs / "kube-apiserver.log")
+        self._launch(apiserver)
+        self._wait(lambda: self._api_ok("/readyz"), apiserver, timeout)
+        kcm = Component("kube-controller-manager", [
+            str(self.bin_dir / "kube-controller-manager"),
+            f"--kubeconfig={self.kubeconfig}",
+            f"--controllers={self.controllers}",
+            f"--service-account-private-key-file={self.pki.sa_private}",
+            f"--root-ca-file={self.pki.ca_cert}",
+            "--leader-elect=false",
+            "--secure-port=0",
+            "--concurrent-gc-syncs=5",
+            "--v=1",
+        ], logs / "kube-controller-manager.log")
+        self._launch(kcm)
+        self._wait(self._namespace_default_ready, kcm, timeout)
+        return self
+
+    def _apiserver_argv(self) -> list[str]:
+        assert self.pki is not None
+        return [
+            str(self.bin_dir / "kube-apiserver"),
+            f"--etcd-servers=http://127.0.0.1:{self.etcd_port}",
+            "--bind-address=127.0.0.1",
+            "--advertise-address=127.0.0.1",
+            f"--secure-port={self.api_port}",
+            f"--cert-dir={self.workdir / 'apiserver-certs'}",
+            f"--tls-cert-file={self.pki.serving_cert}",
+            f"--tls-private-key-file={self.pki.serving_key}",
+            f"--client-ca-file={self.pki.ca_cert}",
+            f"--service-account-key-file={self.pki.sa_public}",
+            f"--service-account-signing-key-file={self.pki.sa_private}",
+            f"--service-account-issuer=https://127.0.0.1:{self.api_port}",
+            f"--service-cluster-ip-range={SERVICE_CIDR}",
+            "--authorization-mode=Node,RBAC",
+            "--allow-privileged=true",
+            "--disable-admission-plugins=ServiceAccount",
+            "--enable-priority-and-fairness=false",
+            "--v=1",
+        ]
+
+    def _launch(self, component: Component) -> None:
+        component.start()
+        self.components.append(component)
+
+    def _wait(self, ready: "object", component: Component, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if not component.alive():
+                raise ControlPlaneError(f"{component.name} exited:\n{component.log_tail()}")
+            if callable(ready) and ready():
+                return
+            time.sleep(0.3)
+        raise ControlPlaneError(f"{component.name} not ready after {timeout}s:\n{component.log_tail()}")
+
+    def ssl_context(self) -> ssl.SSLContext:
+        assert self.pki is not None
+        context = ssl.create_default_context(cafile=str(self.pki.ca_cert))
+        context.load_cert_chain(str(self.pki.admin_cert), str(self.pki.admin_key))
+        return context
+
+    def _api_ok(self, path: str) -> bool:
+        return _http_ok(self.server + path, self.ssl_context())
+
+    def _namespace_default_ready(self) -> bool:
+        # The service-account controller (in kube-controller-manager) has run once it made this.
+        return self._api_ok("/api/v1/namespaces/default/serviceaccounts/default")
+
+    def _write_kubeconfig(self) -> None:
+        assert self.pki is not None
+        config = {
+            "apiVersion": "v1",
+            "kind": "Config",
+            "clusters": [{"name": "devcluster", "cluster": {"server": self.server, "certificate-authority": str(self.pki.ca_cert)}}],
+            "users": [{"name": "admin", "user": {"client-certificate": str(self.pki.admin_cert), "client-key": str(self.pki.admin_key)}}],
+            "contexts": [{"name": "devcluster", "context": {"cluster": "devcluster", "user": "admin"}}],
+            "current-context": "devcluster",
+        }
+        self.kubeconfig.write_text(yaml.safe_dump(config))
+
+    def apply_crd(self, crd_path: Path, timeout: float = 60.0) -> None:
+        """Create (or replace) a CRD and wait until it is Established."""
+        crd = yaml.safe_load(crd_path.read_text())
+        name = crd["metadata"]["name"]
+        base = "/apis/apiextensions.k8s.io/v1/customresourcedefinitions"
+        status, existing = self.request("GET", f"{base}/{name}")
+        if status == 404:
+            self._check(self.request("POST", base, crd), crd_path)
+        else:
+            crd["metadata"]["resourceVersion"] = existing["metadata"]["resourceVersion"]
+            self._check(self.request("PUT", f"{base}/{name}", crd), crd_path)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            _, current = self.request("GET", f"{base}/{name}")
+            conditions = (current.get("status") or {}).get("conditions") or []
+            if any(c["type"] == "Established" and c["status"] == "True" for c in conditions):
+                return
+            time.sleep(0.2)
+        raise ControlPlaneError(f"CRD {name} not established after {timeout}s")
+
+    @staticmethod
+    def _check(result: tuple[int, dict[str, object]], what: Path) -> None:
+        if result[0] >= 300:
+            raise ControlPlaneError(f"applying {what} failed: HTTP {result[0]}: {result[1].get('message')}")
+
+    def request(self, method: str, path: str, body: object | None = None) -> tuple[int, dict[str, object]]:
+        data = json.dumps(body).encode() if body is not None else None
+        request = urllib.request.Request(self.server + path, data=data, method=method, headers={"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(request, context=self.ssl_context(), timeout=30) as response:
+                return response.status, json.loads(response.read() or b"{}")
+        except urllib.error.HTTPError as error:
+            return error.code, json.loads(error.read() or b"{}")
+
+    def stop(self) -> None:
+        for component in reversed(self.components):
+            component.stop()
+        self.components.clear()
+
+
+def _http_ok(url: str, context: ssl.SSLContext | None = None) -> bool:
+    try:
+        with urllib.request.urlopen(url, context=context, timeout=2) as response:
+            return bool(response.status == 200)
+    except (urllib.error.URLError, OSError, ssl.SSLError):
+        return False

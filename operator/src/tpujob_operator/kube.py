@@ -1,0 +1,162 @@
+"""Reading the cluster into plain facts (facts.py) and applying the reconciler's actions.
+
+Blocking kubernetes-client calls; handlers run them in a worker thread.
+"""
+
+from __future__ import annotations
+
+import logging
+from datetime import datetime, timezone
+from typing import Any
+
+from kubernetes import client, config
+from kubernetes.client.exceptions import ApiException
+
+from . import api
+from .facts import JobSetFacts, JobSetState, PodFacts
+from .jobset import (
+    ANNOTATION_RESUME_STEP,
+    CONTAINER,
+    JOB_INDEX_ANNOTATION,
+    JOBSET_GROUP,
+    JOBSET_PLURAL,
+    JOBSET_VERSION,
+    LABEL_ATTEMPT,
+    LABEL_NAME,
+)
+
+log = logging.getLogger(__name__)
+# Every API call carries a timeout, so a stuck connection cannot stall a reconcile forever.
+REQUEST_TIMEOUT_SECONDS = 30
+
+
+def load_config() -> None:
+    try:
+        config.load_incluster_config()
+    except config.ConfigException:
+        config.load_kube_config()
+
+
+def _time(text: str | None) -> datetime | None:
+    return datetime.fromisoformat(text.replace("Z", "+00:00")) if text else None
+
+
+def _condition(conditions: list[dict[str, Any]] | None, type_: str) -> dict[str, Any] | None:
+    return next((c for c in conditions or [] if c.get("type") == type_ and c.get("status") == "True"), None)
+
+
+def pod_facts(pod: dict[str, Any]) -> PodFacts:
+    meta, status = pod["metadata"], pod.get("status") or {}
+    annotations = meta.get("annotations") or {}
+    labels = meta.get("labels") or {}
+    slice_text = annotations.get(JOB_INDEX_ANNOTATION) or labels.get(JOB_INDEX_ANNOTATION)
+    container = next((c for c in status.get("containerStatuses") or [] if c.get("name") == CONTAINER), {})
+    terminated = (container.get("state") or {}).get("terminated") or {}
+    disruption = _condition(status.get("conditions"), "DisruptionTarget")
+    scheduled = next((c for c in status.get("conditions") or [] if c.get("type") == "PodScheduled"), None)
+    unschedulable = scheduled.get("message") if scheduled and scheduled.get("reason") == "Unschedulable" else None
+    return PodFacts(
+        name=meta["name"],
+        slice=int(slice_text) if slice_text and slice_text.isdigit() else None,
+        phase=status.get("phase", "Pending"),
+        exit_code=terminated.get("exitCode"),
+        reason=terminated.get("reason") or status.get("reason"),
+        disruption_reason=disruption.get("reason") if disruption else None,
+        finished_at=_time(terminated.get("finishedAt")),
+        unschedulable_message=unschedulable,
+    )
+
+
+def jobset_state(jobset: dict[str, Any]) -> tuple[JobSetState, dict[str, Any] | None]:
+    conditions = (jobset.get("status") or {}).get("conditions")
+    for type_, state in (("Completed", "Completed"), ("Failed", "Failed")):
+        found = _condition(conditions, type_)
+        if found:
+            return state, found  # type: ignore[return-value]
+    if (jobset.get("spec") or {}).get("suspend") or _condition(conditions, "Suspended"):
+        return "Suspended", None
+    return "Active", None
+
+
+def jobset_facts(jobset: dict[str, Any], pods: list[dict[str, Any]]) -> JobSetFacts:
+    meta = jobset["metadata"]
+    state, condition = jobset_state(jobset)
+    resume = (meta.get("annotations") or {}).get(ANNOTATION_RESUME_STEP, "-1")
+    return JobSetFacts(
+        name=meta["name"],
+        attempt=int((meta.get("labels") or {}).get(LABEL_ATTEMPT, "0")),
+        resume_step=None if int(resume) < 0 else int(resume),
+        created=_time(meta.get("creationTimestamp")) or datetime.now(timezone.utc),
+        state=state,
+        condition_reason=(condition or {}).get("reason", ""),
+        condition_message=(condition or {}).get("message", ""),
+        pods=tuple(pod_facts(p) for p in pods),
+        deleting=bool(meta.get("deletionTimestamp")),
+    )
+
+
+class Cluster:
+    """The handful of API calls the operator makes (the ClusterRole in the chart lists exactly these)."""
+
+    def __init__(self) -> None:
+        self.custom = client.CustomObjectsApi()
+        self.core = client.CoreV1Api()
+
+    def get_training_job(self, namespace: str, name: str) -> dict[str, Any] | None:
+        try:
+            return self.custom.get_namespaced_custom_object(  # type: ignore[no-any-return]
+                api.GROUP, api.VERSION, namespace, api.PLURAL, name, _request_timeout=REQUEST_TIMEOUT_SECONDS
+            )
+        except ApiException as error:
+            if error.status == 404:
+                return None
+            raise
+
+    def list_jobsets(self, namespace: str, name: str) -> list[dict[str, Any]]:
+        found = self.custom.list_namespaced_custom_object(
+            JOBSET_GROUP, JOBSET_VERSION, namespace, JOBSET_PLURAL,
+            label_selector=f"{LABEL_NAME}={name}", _request_timeout=REQUEST_TIMEOUT_SECONDS,
+        )
+        return list(found.get("items", []))
+
+    def list_pods(self, namespace: str, name: str, attempt: int) -> list[dict[str, Any]]:
+        found = self.core.list_namespaced_pod(
+            namespace, label_selector=f"{LABEL_NAME}={name},{LABEL_ATTEMPT}={attempt}",
+            _request_timeout=REQUEST_TIMEOUT_SECONDS,
+        )
+        return [client.ApiClient().sanitize_for_serialization(p) for p in found.items]
+
+    def patch_status(self, namespace: str, name: str, status: dict[str, Any]) -> None:
+        self.custom.patch_namespaced_custom_object_status(
+            api.GROUP, api.VERSION, namespace, api.PLURAL, name, {"status": status},
+            _request_timeout=REQUEST_TIMEOUT_SECONDS,
+        )
+
+    def create_jobset(self, namespace: str, manifest: dict[str, Any]) -> bool:
+        """False when it already exists: creation is idempotent by name."""
+        try:
+            self.custom.create_namespaced_custom_object(
+                JOBSET_GROUP, JOBSET_VERSION, namespace, JOBSET_PLURAL, manifest, _request_timeout=REQUEST_TIMEOUT_SECONDS
+            )
+            return True
+        except ApiException as error:
+            if error.status == 409:
+                return False
+            raise
+
+    def delete_jobset(self, namespace: str, name: str) -> None:
+        try:
+            self.custom.delete_namespaced_custom_object(
+                JOBSET_GROUP, JOBSET_VERSION, namespace, JOBSET_PLURAL, name,
+                body=client.V1DeleteOptions(propagation_policy="Background"),
+                _request_timeout=REQUEST_TIMEOUT_SECONDS,
+            )
+        except ApiException as error:
+            if error.status != 404:
+                raise
+
+    def set_jobset_suspend(self, namespace: str, name: str, suspend: bool) -> None:
+        self.custom.patch_namespaced_custom_object(
+            JOBSET_GROUP, JOBSET_VERSION, namespace, JOBSET_PLURAL, name, {"spec": {"suspend": suspend}},
+            _request_timeout=REQUEST_TIMEOUT_SECONDS,
+        )

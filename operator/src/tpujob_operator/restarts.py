@@ -1,0 +1,86 @@
+"""Pure restart policy: classify a failure, decide whether the budget allows a restart, and when."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+
+from .api import FailureKind, RestartSpec
+from .facts import JobSetFacts, PodFacts
+
+# The trainer exits 143 after SIGTERM (and after saving the current step, if configured).
+SIGTERM_EXIT_CODE = 143
+# DisruptionTarget reasons (pod condition set by Kubernetes) and what they mean for a TPU slice.
+_INFRASTRUCTURE_DISRUPTIONS: dict[str, FailureKind] = {
+    "PreemptionByScheduler": "Preemption",
+    "EvictionByEvictionAPI": "Preemption",  # drain for maintenance / upgrade
+    "TerminationByKubelet": "Preemption",  # node shutdown / spot reclaim
+    "DeletionByTaintManager": "NodeLost",  # node NotReady / unreachable
+    "DeletionByPodGC": "NodeLost",  # node object deleted
+}
+_NODE_LOST_POD_REASONS = {"NodeLost", "NodeShutdown", "Terminated"}
+
+
+@dataclass(frozen=True)
+class Failure:
+    kind: FailureKind
+    reason: str
+    message: str
+    slice: int | None
+    time: datetime | None
+
+
+def classify_pod(pod: PodFacts) -> Failure | None:
+    """Why one pod failed, or None if it did not."""
+    if pod.disruption_reason in _INFRASTRUCTURE_DISRUPTIONS:
+        kind = _INFRASTRUCTURE_DISRUPTIONS[pod.disruption_reason]
+        return Failure(kind, pod.disruption_reason, f"pod {pod.name}: {pod.disruption_reason}", pod.slice, pod.finished_at)
+    if pod.phase != "Failed":
+        return None
+    if pod.reason in _NODE_LOST_POD_REASONS:
+        return Failure("NodeLost", pod.reason or "NodeLost", f"pod {pod.name}: {pod.reason}", pod.slice, pod.finished_at)
+    if pod.exit_code == SIGTERM_EXIT_CODE:
+        return Failure("Preemption", "Terminated", f"pod {pod.name} exited {SIGTERM_EXIT_CODE} after SIGTERM", pod.slice, pod.finished_at)
+    if pod.exit_code is not None and pod.exit_code != 0:
+        reason = pod.reason if pod.reason and pod.reason != "Error" else f"ExitCode{pod.exit_code}"
+        return Failure("ApplicationError", reason, f"pod {pod.name} exited with code {pod.exit_code} ({pod.reason or 'Error'})", pod.slice, pod.finished_at)
+    return Failure("Unknown", pod.reason or "PodFailed", f"pod {pod.name} failed", pod.slice, pod.finished_at)
+
+
+def classify_jobset_failure(jobset: JobSetFacts) -> Failure:
+    """The root cause of a failed JobSet: the earliest failed pod (later ones are usually its
+    collateral, e.g. peers timing out in a collective), else what JobSet's condition says."""
+    failures = [f for f in (classify_pod(p) for p in jobset.pods) if f is not None]
+    if failures:
+        dated = [f for f in failures if f.time is not None]
+        return min(dated, key=lambda f: f.time or datetime.min) if dated else failures[0]
+    return Failure(
+        "Unknown",
+        jobset.condition_reason or "JobSetFailed",
+        jobset.condition_message or f"JobSet {jobset.name} failed",
+        jobset.failed_slice,
+        None,
+    )
+
+
+def counts_against_budget(kind: FailureKind, policy: RestartSpec) -> bool:
+    if kind in ("Preemption", "NodeLost"):
+        return policy.count_preemptions
+    return True
+
+
+def budget_left(policy: RestartSpec, counted_restarts: int) -> bool:
+    return counted_restarts < policy.max_restarts
+
+
+def backoff(policy: RestartSpec, counted_restarts: int, counted: bool) -> timedelta:
+    """Exponential for counted failures (a crash loop should not hammer the cluster); infrastructure
+    failures restart after the base delay, since waiting longer only loses training time."""
+    if not counted or counted_restarts <= 0:
+        return timedelta(seconds=min(policy.backoff_seconds, policy.max_backoff_seconds))
+    seconds = policy.backoff_seconds * 2 ** (counted_restarts - 1)
+    return timedelta(seconds=min(seconds, policy.max_backoff_seconds))
+
+
+def hung(now: datetime, last_progress: datetime, hang_timeout_seconds: int) -> bool:
+    return hang_timeout_seconds > 0 and (now - last_progress).total_seconds() > hang_timeout_seconds

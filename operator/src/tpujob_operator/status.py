@@ -1,0 +1,68 @@
+"""Pure status aggregation: conditions, progress and checkpoint facts -> TrainingJob status fields."""
+
+from __future__ import annotations
+
+from datetime import datetime, timezone
+
+from .api import CheckpointRef, Condition, Phase, TrainingJobStatus
+from .facts import Observed
+
+# One condition per phase, so `kubectl wait --for=condition=Succeeded` works and the reason of the
+# current phase (e.g. Pending/Unschedulable) is one lookup away.
+CONDITION_TYPES: tuple[Phase, ...] = ("Pending", "Running", "Restarting", "Suspended", "Succeeded", "Failed")
+
+
+def rfc3339(moment: datetime) -> str:
+    return moment.astimezone(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def parse_time(text: str | None) -> datetime | None:
+    if not text:
+        return None
+    return datetime.fromisoformat(text.replace("Z", "+00:00"))
+
+
+def set_condition(
+    conditions: list[Condition], type_: str, status: bool, reason: str, message: str, now: datetime
+) -> list[Condition]:
+    """Upsert one condition; lastTransitionTime moves only when the status flips."""
+    wanted = "True" if status else "False"
+    previous = next((c for c in conditions if c.type == type_), None)
+    transition = previous.last_transition_time if previous and previous.status == wanted else rfc3339(now)
+    updated = Condition(type=type_, status=wanted, reason=reason, message=message, last_transition_time=transition)
+    return [c for c in conditions if c.type != type_] + [updated]
+
+
+def with_phase(status: TrainingJobStatus, phase: Phase, reason: str, message: str, now: datetime) -> TrainingJobStatus:
+    """Move to `phase`: its condition becomes True with the reason, every other one False."""
+    conditions = list(status.conditions)
+    for type_ in CONDITION_TYPES:
+        if type_ == phase:
+            conditions = set_condition(conditions, type_, True, reason, message, now)
+        elif any(c.type == type_ for c in conditions):
+            conditions = set_condition(conditions, type_, False, reason, message, now)
+    return status.model_copy(update={"phase": phase, "conditions": conditions})
+
+
+def with_observations(status: TrainingJobStatus, observed: Observed) -> TrainingJobStatus:
+    """Fold the trainer's progress record and GCS's latest committed step into status."""
+    update: dict[str, object] = {}
+    latest = observed.latest_committed_step
+    if latest is not None:
+        previous = status.latest_checkpoint
+        if previous is None or previous.step != latest:
+            update["latest_checkpoint"] = CheckpointRef(step=latest, time=rfc3339(observed.now))
+    progress = observed.progress
+    if progress is not None and progress.attempt == status.attempt:
+        update.update(
+            step=progress.step,
+            loss=progress.loss,
+            last_progress_time=rfc3339(progress.updated_at),
+            resumed_from_step=progress.resumed_from_step,
+        )
+        failure = status.last_failure
+        if failure is not None and failure.recovery_seconds is None and progress.step > (failure.resume_step or -1):
+            # First step trained by the attempt that replaced the failed one: the failure's cost in time.
+            recovered = (progress.updated_at - parse_time(failure.time)).total_seconds()  # type: ignore[operator]
+            update["last_failure"] = failure.model_copy(update={"recovery_seconds": round(recovered, 1)})
+    return status.model_copy(update=update)

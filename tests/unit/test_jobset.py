@@ -1,0 +1,98 @@
+"""Table tests of the JobSet builder against reviewed golden manifests (regenerate with
+UPDATE_GOLDEN=1 and review the diff)."""
+
+import os
+from pathlib import Path
+
+import pytest
+import yaml
+
+from tpujob_operator.jobset import build_jobset, coordinator_host, jobset_name
+from tpujob_operator.tpu import slice_shape
+
+from .factories import training_job
+
+GOLDEN = Path(__file__).parent / "golden"
+CASES = {
+    "v5e-1-slice-2x2": dict(accelerator="tpu-v5-lite-podslice", topology="2x2", slices=1),
+    "v5p-2-slices-2x2x2": dict(accelerator="tpu-v5p-slice", topology="2x2x2", slices=2),
+    "v6e-4-slices-4x4": dict(
+        accelerator="tpu-v6e-slice", topology="4x4", slices=4,
+        checkpoint={"directory": "gs://acme-ckpt/runs", "policy": "interval", "intervalSteps": 100,
+                    "keep": {"latest": 2, "everySteps": 1000}},
+        env=[{"name": "TPUJOB_MODEL", "value": "1b"}],
+        resources={"requests": {"memory": "200Gi"}},
+        serviceAccountName="trainer",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_builder_matches_golden_manifest(case):
+    manifest = build_jobset(training_job(**CASES[case]), attempt=1, resume_step=400)
+    path = GOLDEN / f"{case}.yaml"
+    if os.environ.get("UPDATE_GOLDEN"):
+        path.write_text(yaml.safe_dump(manifest, sort_keys=False))
+    assert manifest == yaml.safe_load(path.read_text())
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_shape_and_placement_follow_the_tpu_table(case):
+    tj = training_job(**CASES[case])
+    shape = slice_shape(tj.spec.tpu.accelerator, tj.spec.tpu.topology)
+    manifest = build_jobset(tj, attempt=0, resume_step=None)
+    [rjob] = manifest["spec"]["replicatedJobs"]
+    job = rjob["template"]["spec"]
+    pod = job["template"]["spec"]
+    assert rjob["replicas"] == tj.spec.tpu.slices
+    assert job["parallelism"] == job["completions"] == shape.hosts
+    assert job["backoffLimit"] == 0 and job["completionMode"] == "Indexed"
+    assert pod["nodeSelector"] == {
+        "cloud.google.com/gke-tpu-accelerator": tj.spec.tpu.accelerator,
+        "cloud.google.com/gke-tpu-topology": tj.spec.tpu.topology,
+    }
+    assert pod["containers"][0]["resources"]["limits"]["google.com/tpu"] == shape.chips_per_host
+    assert manifest["metadata"]["annotations"]["alpha.jobset.sigs.k8s.io/exclusive-topology"] == "cloud.google.com/gke-nodepool"
+    assert manifest["spec"]["failurePolicy"] == {"maxRestarts": 0}
+    assert manifest["metadata"]["ownerReferences"][0]["uid"] == "0000-1111"
+
+
+def _env(manifest):
+    pod = manifest["spec"]["replicatedJobs"][0]["template"]["spec"]["template"]["spec"]
+    return {e["name"]: e.get("value", e.get("valueFrom")) for e in pod["containers"][0]["env"]}
+
+
+def test_env_carries_the_trainer_contract():
+    tj = training_job(slices=2)
+    env = _env(build_jobset(tj, attempt=3, resume_step=1200))
+    name = jobset_name("llama", 3)
+    assert env["TPUJOB_RESUME_STEP"] == "1200"
+    assert env["TPUJOB_ATTEMPT"] == "3"
+    assert env["TPUJOB_RUN_DIR"] == "gs://acme-ckpt/runs/ml/llama"
+    assert env["TPUJOB_COORDINATOR_ADDRESS"] == f"{coordinator_host(name)}:8476"
+    assert coordinator_host(name) == "llama-a3-slice-0-0.llama-a3"
+    assert env["TPUJOB_NUM_SLICES"] == env["MEGASCALE_NUM_SLICES"] == "2"
+    assert env["TPUJOB_HOSTS_PER_SLICE"] == "2"
+    assert env["TPUJOB_SLICE_ID"] == {"fieldRef": {"fieldPath": "metadata.annotations['jobset.sigs.k8s.io/job-index']"}}
+    assert env["TPUJOB_CHECKPOINT_POLICY"] == "continuous"
+    assert env["TPUJOB_CHECKPOINT_ASYNC"] == "true"
+
+
+def test_no_resume_step_means_latest_committed():
+    assert _env(build_jobset(training_job(), attempt=0, resume_step=None))["TPUJOB_RESUME_STEP"] == "-1"
+
+
+def test_user_env_cannot_override_the_contract():
+    tj = training_job(env=[{"name": "TPUJOB_RESUME_STEP", "value": "7"}, {"name": "EXTRA", "value": "1"}])
+    pod = build_jobset(tj, attempt=0, resume_step=50)["spec"]["replicatedJobs"][0]["template"]["spec"]["template"]["spec"]
+    names = [e["name"] for e in pod["containers"][0]["env"]]
+    # Kubernetes keeps the last duplicate: the operator's value must come last.
+    last = {e["name"]: e.get("value") for e in pod["containers"][0]["env"]}
+    assert names.index("EXTRA") < names.index("TPUJOB_NAME")
+    assert last["TPUJOB_RESUME_STEP"] == "50"
+
+
+def test_longest_allowed_name_keeps_pod_hostnames_within_dns_label_limit():
+    name = "n" * 40
+    host = coordinator_host(jobset_name(name, 999)).split(".")[0].replace("-0-0", "-255-255")
+    assert len(host) <= 63

@@ -1,0 +1,147 @@
+"""Scenarios for the pure reconciler: what the operator decides from a TrainingJob and the world."""
+
+from datetime import datetime, timedelta, timezone
+
+from tpujob_operator.facts import JobSetFacts, Observed, PodFacts, Progress
+from tpujob_operator.reconcile import reconcile
+from tpujob_operator.status import rfc3339
+
+from .factories import training_job
+
+T0 = datetime(2026, 11, 30, 12, 0, tzinfo=timezone.utc)
+
+
+def _active(attempt=0, state="Active", resume=None, created=T0, pods=()):
+    return JobSetFacts(f"llama-a{attempt}", attempt, resume, created, state, pods=pods)
+
+
+def _conditions(status):
+    return {c.type: (c.status, c.reason) for c in status.conditions}
+
+
+def test_new_job_creates_attempt_zero_from_latest_committed_step():
+    status, actions = reconcile(training_job(), Observed(now=T0, latest_committed_step=None))
+    assert (actions.create_attempt, actions.resume_step) == (0, None)
+    assert status.phase == "Pending" and status.job_set_name == "llama-a0"
+    assert [e.reason for e in actions.events] == ["Created"]
+
+
+def test_reconcile_is_idempotent_when_the_jobset_exists():
+    tj = training_job(status={"phase": "Pending", "attempt": 0})
+    status, actions = reconcile(tj, Observed(now=T0, jobsets=(_active(),)))
+    assert actions.create_attempt is None and actions.delete == []
+    assert status.phase == "Pending"
+
+
+def test_progress_of_the_current_attempt_makes_it_running():
+    tj = training_job(status={"phase": "Pending", "attempt": 0})
+    progress = Progress(step=120, attempt=0, updated_at=T0, loss=3.2)
+    status, actions = reconcile(tj, Observed(now=T0, jobsets=(_active(),), progress=progress, latest_committed_step=100))
+    assert status.phase == "Running"
+    assert (status.step, status.loss, status.latest_checkpoint.step) == (120, 3.2, 100)
+    assert _conditions(status)["Running"] == ("True", "Training")
+    assert [e.reason for e in actions.events] == ["Running"]
+
+
+def test_failure_restarts_from_latest_committed_with_lost_steps_recorded():
+    tj = training_job(status={"phase": "Running", "attempt": 0, "step": 130})
+    failed = _active(state="Failed", pods=(PodFacts("w", 1, "Failed", exit_code=1, finished_at=T0),))
+    progress = Progress(step=130, attempt=0, updated_at=T0)
+    status, actions = reconcile(tj, Observed(now=T0, jobsets=(failed,), progress=progress, latest_committed_step=100))
+    assert status.phase == "Restarting"
+    assert (status.restarts, status.counted_restarts, status.attempt) == (1, 1, 1)
+    assert status.last_failure.kind == "ApplicationError" and status.last_failure.slice == 1
+    assert (status.last_failure.resume_step, status.last_failure.lost_steps, status.lost_steps) == (100, 30, 30)
+    assert actions.delete == ["llama-a0"] and actions.create_attempt is None
+    assert status.next_restart_time == rfc3339(T0 + timedelta(seconds=10))
+    assert [e.reason for e in actions.events] == ["FailureDetected", "Restarting"]
+
+
+def test_after_backoff_the_next_attempt_is_created_pinned_to_the_committed_step():
+    tj = training_job(status={"phase": "Restarting", "attempt": 1, "restarts": 1, "nextRestartTime": rfc3339(T0)})
+    early, early_actions = reconcile(tj, Observed(now=T0 - timedelta(seconds=3), latest_committed_step=100))
+    assert early_actions.create_attempt is None and early_actions.requeue_after == 3
+    status, actions = reconcile(tj, Observed(now=T0, latest_committed_step=100))
+    assert (actions.create_attempt, actions.resume_step) == (1, 100)
+    assert status.next_restart_time is None and status.resumed_from_step == 100
+    assert [e.reason for e in actions.events] == ["Restored"]
+
+
+def test_preemption_restarts_without_spending_the_budget():
+    tj = training_job(restart={"maxRestarts": 0}, status={"phase": "Running", "attempt": 2})
+    failed = _active(attempt=2, state="Failed", pods=(PodFacts("w", 0, "Failed", exit_code=143),))
+    status, actions = reconcile(tj, Observed(now=T0, jobsets=(failed,), latest_committed_step=40))
+    assert status.phase == "Restarting"
+    assert (status.restarts, status.counted_restarts) == (1, 0)
+    assert status.last_failure.counted is False
+
+
+def test_exhausted_budget_fails_the_job_with_a_condition_saying_why():
+    tj = training_job(restart={"maxRestarts": 1}, status={"phase": "Running", "attempt": 1, "restarts": 1, "countedRestarts": 1})
+    failed = _active(attempt=1, state="Failed", pods=(PodFacts("w", 0, "Failed", exit_code=2),))
+    status, actions = reconcile(tj, Observed(now=T0, jobsets=(failed,)))
+    assert status.phase == "Failed"
+    assert _conditions(status)["Failed"] == ("True", "RestartBudgetExhausted")
+    assert "1/1" in next(c.message for c in status.conditions if c.type == "Failed")
+    assert actions.create_attempt is None and actions.delete == []
+    assert "RestartBudgetExhausted" in [e.reason for e in actions.events]
+
+
+def test_terminal_jobs_are_left_alone():
+    tj = training_job(status={"phase": "Succeeded", "attempt": 0})
+    status, actions = reconcile(tj, Observed(now=T0, jobsets=(_active(state="Failed"),)))
+    assert status.phase == "Succeeded" and actions.create_attempt is None and actions.delete == []
+
+
+def test_completed_jobset_succeeds():
+    tj = training_job(status={"phase": "Running", "attempt": 0})
+    status, _ = reconcile(tj, Observed(now=T0, jobsets=(_active(state="Completed"),)))
+    assert status.phase == "Succeeded" and status.completion_time == rfc3339(T0)
+
+
+def test_no_progress_for_the_hang_timeout_is_a_counted_hang():
+    tj = training_job(restart={"hangTimeoutSeconds": 60}, status={"phase": "Running", "attempt": 0, "lastProgressTime": rfc3339(T0)})
+    progress = Progress(step=50, attempt=0, updated_at=T0)
+    fine, _ = reconcile(tj, Observed(now=T0 + timedelta(seconds=59), jobsets=(_active(),), progress=progress))
+    assert fine.phase == "Running"
+    status, actions = reconcile(tj, Observed(now=T0 + timedelta(seconds=61), jobsets=(_active(),), progress=progress))
+    assert status.phase == "Restarting" and status.last_failure.kind == "Hang" and status.counted_restarts == 1
+    assert actions.delete == ["llama-a0"]
+
+
+def test_jobset_created_before_an_operator_crash_is_adopted_not_duplicated():
+    tj = training_job(status={"phase": "Restarting", "attempt": 0})
+    status, actions = reconcile(tj, Observed(now=T0, jobsets=(_active(attempt=0, state="Failed"), _active(attempt=1))))
+    assert status.attempt == 1 and actions.create_attempt is None
+    assert actions.delete == ["llama-a0"]
+
+
+def test_suspend_and_resume_map_to_the_jobset():
+    suspended_tj = training_job(suspend=True, status={"phase": "Running", "attempt": 0})
+    status, actions = reconcile(suspended_tj, Observed(now=T0, jobsets=(_active(resume=None),)))
+    assert status.phase == "Suspended" and actions.set_suspend == ("llama-a0", True)
+    resumed_tj = training_job(status={"phase": "Suspended", "attempt": 0})
+    same = _active(state="Suspended", resume=100)
+    _, actions = reconcile(resumed_tj, Observed(now=T0, jobsets=(same,), latest_committed_step=100))
+    assert actions.set_suspend == ("llama-a0", False)
+    # Checkpoints advanced since the JobSet was built: its pinned step is stale, so it is replaced.
+    status, actions = reconcile(resumed_tj, Observed(now=T0, jobsets=(same,), latest_committed_step=160))
+    assert actions.delete == ["llama-a0"] and status.attempt == 1
+
+
+def test_unschedulable_pods_keep_the_job_pending_with_the_reason():
+    pods = (PodFacts("w", 0, "Pending", unschedulable_message="0/3 nodes are available: node(s) didn't match selector"),)
+    tj = training_job(status={"phase": "Pending", "attempt": 0})
+    status, _ = reconcile(tj, Observed(now=T0, jobsets=(_active(pods=pods),)))
+    assert status.phase == "Pending"
+    pending = next(c for c in status.conditions if c.type == "Pending")
+    assert (pending.status, pending.reason) == ("True", "Unschedulable") and "didn't match" in pending.message
+
+
+def test_recovery_time_is_measured_to_the_first_resumed_step():
+    failure = {"time": rfc3339(T0), "kind": "ApplicationError", "reason": "ExitCode1", "resumeStep": 100}
+    tj = training_job(status={"phase": "Restarting", "attempt": 1, "lastFailure": failure})
+    progress = Progress(step=101, attempt=1, updated_at=T0 + timedelta(seconds=42))
+    status, _ = reconcile(tj, Observed(now=T0 + timedelta(seconds=45), jobsets=(_active(attempt=1),), progress=progress))
+    assert status.last_failure.recovery_seconds == 42.0
+    assert status.phase == "Running"

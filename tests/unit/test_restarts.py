@@ -1,0 +1,62 @@
+from datetime import datetime, timedelta, timezone
+
+import pytest
+
+from tpujob_operator.api import RestartSpec
+from tpujob_operator.facts import JobSetFacts, PodFacts
+from tpujob_operator.restarts import backoff, classify_jobset_failure, classify_pod, counts_against_budget
+
+T0 = datetime(2026, 11, 30, 12, 0, tzinfo=timezone.utc)
+
+
+@pytest.mark.parametrize(
+    ("pod", "kind", "reason"),
+    [
+        (PodFacts("p", 0, "Failed", exit_code=1, reason="Error"), "ApplicationError", "ExitCode1"),
+        (PodFacts("p", 0, "Failed", exit_code=137, reason="OOMKilled"), "ApplicationError", "OOMKilled"),
+        (PodFacts("p", 1, "Failed", exit_code=143, reason="Error"), "Preemption", "Terminated"),
+        (PodFacts("p", 1, "Failed", exit_code=137, disruption_reason="PreemptionByScheduler"), "Preemption", "PreemptionByScheduler"),
+        (PodFacts("p", 1, "Failed", disruption_reason="EvictionByEvictionAPI"), "Preemption", "EvictionByEvictionAPI"),
+        (PodFacts("p", 0, "Failed", disruption_reason="DeletionByTaintManager"), "NodeLost", "DeletionByTaintManager"),
+        (PodFacts("p", 0, "Failed", disruption_reason="DeletionByPodGC"), "NodeLost", "DeletionByPodGC"),
+        (PodFacts("p", 0, "Failed", reason="NodeLost"), "NodeLost", "NodeLost"),
+        (PodFacts("p", 0, "Failed"), "Unknown", "PodFailed"),
+    ],
+)
+def test_pod_failures_are_classified(pod, kind, reason):
+    failure = classify_pod(pod)
+    assert failure is not None
+    assert (failure.kind, failure.reason, failure.slice) == (kind, reason, pod.slice)
+
+
+def test_running_and_succeeded_pods_are_not_failures():
+    assert classify_pod(PodFacts("p", 0, "Running")) is None
+    assert classify_pod(PodFacts("p", 0, "Succeeded", exit_code=0)) is None
+
+
+def test_root_cause_is_the_earliest_failed_pod_not_its_collateral():
+    collateral = PodFacts("a", 0, "Failed", exit_code=1, finished_at=T0 + timedelta(seconds=30))
+    root = PodFacts("b", 1, "Failed", exit_code=143, finished_at=T0)
+    jobset = JobSetFacts("js", 0, None, T0, "Failed", pods=(collateral, root, PodFacts("c", 1, "Running")))
+    failure = classify_jobset_failure(jobset)
+    assert (failure.kind, failure.slice) == ("Preemption", 1)
+
+
+def test_without_pods_the_jobset_condition_is_reported():
+    jobset = JobSetFacts("js", 0, None, T0, "Failed", condition_reason="FailedJobs", condition_message="job js-slice-1 failed")
+    failure = classify_jobset_failure(jobset)
+    assert (failure.kind, failure.reason, failure.message) == ("Unknown", "FailedJobs", "job js-slice-1 failed")
+
+
+def test_preemptions_count_only_when_asked():
+    assert not counts_against_budget("Preemption", RestartSpec())
+    assert not counts_against_budget("NodeLost", RestartSpec())
+    assert counts_against_budget("Preemption", RestartSpec(count_preemptions=True))
+    assert counts_against_budget("ApplicationError", RestartSpec())
+    assert counts_against_budget("Hang", RestartSpec())
+
+
+def test_backoff_doubles_for_counted_failures_and_is_capped():
+    policy = RestartSpec(backoff_seconds=10, max_backoff_seconds=60)
+    assert [backoff(policy, n, True).total_seconds() for n in (1, 2, 3, 4, 5)] == [10, 20, 40, 60, 60]
+    assert backoff(policy, 4, False).total_seconds() == 10
