@@ -1,5 +1,4 @@
 import pytest
-
 from tpujob_operator.checkpoints import parse_progress, split_gs_path, step_candidates
 
 

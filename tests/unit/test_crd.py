@@ -31,8 +31,15 @@ def test_schema_is_structural_without_refs_or_untyped_nodes():
 
 def test_every_spec_field_has_a_description_for_kubectl_explain():
     spec = crd.build_crd()["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"]
-    missing = [path for path, node in _walk(spec) if "type" in node and ".items" not in path
-               and not path.endswith(("additionalProperties",)) and "description" not in node and path != "$"]
+    missing = [
+        path
+        for path, node in _walk(spec)
+        if "type" in node
+        and ".items" not in path
+        and not path.endswith(("additionalProperties",))
+        and "description" not in node
+        and path != "$"
+    ]
     assert missing == []
 
 

@@ -6,7 +6,6 @@ from pathlib import Path
 
 import pytest
 import yaml
-
 from tpujob_operator.jobset import build_jobset, coordinator_host, jobset_name
 from tpujob_operator.tpu import slice_shape
 
@@ -17,9 +16,15 @@ CASES = {
     "v5e-1-slice-2x2": dict(accelerator="tpu-v5-lite-podslice", topology="2x2", slices=1),
     "v5p-2-slices-2x2x2": dict(accelerator="tpu-v5p-slice", topology="2x2x2", slices=2),
     "v6e-4-slices-4x4": dict(
-        accelerator="tpu-v6e-slice", topology="4x4", slices=4,
-        checkpoint={"directory": "gs://acme-ckpt/runs", "policy": "interval", "intervalSteps": 100,
-                    "keep": {"latest": 2, "everySteps": 1000}},
+        accelerator="tpu-v6e-slice",
+        topology="4x4",
+        slices=4,
+        checkpoint={
+            "directory": "gs://acme-ckpt/runs",
+            "policy": "interval",
+            "intervalSteps": 100,
+            "keep": {"latest": 2, "everySteps": 1000},
+        },
         env=[{"name": "TPUJOB_MODEL", "value": "1b"}],
         resources={"requests": {"memory": "200Gi"}},
         serviceAccountName="trainer",
@@ -52,7 +57,10 @@ def test_shape_and_placement_follow_the_tpu_table(case):
         "cloud.google.com/gke-tpu-topology": tj.spec.tpu.topology,
     }
     assert pod["containers"][0]["resources"]["limits"]["google.com/tpu"] == shape.chips_per_host
-    assert manifest["metadata"]["annotations"]["alpha.jobset.sigs.k8s.io/exclusive-topology"] == "cloud.google.com/gke-nodepool"
+    assert (
+        manifest["metadata"]["annotations"]["alpha.jobset.sigs.k8s.io/exclusive-topology"]
+        == "cloud.google.com/gke-nodepool"
+    )
     assert manifest["spec"]["failurePolicy"] == {"maxRestarts": 0}
     assert manifest["metadata"]["ownerReferences"][0]["uid"] == "0000-1111"
 
@@ -84,7 +92,9 @@ def test_no_resume_step_means_latest_committed():
 
 def test_user_env_cannot_override_the_contract():
     tj = training_job(env=[{"name": "TPUJOB_RESUME_STEP", "value": "7"}, {"name": "EXTRA", "value": "1"}])
-    pod = build_jobset(tj, attempt=0, resume_step=50)["spec"]["replicatedJobs"][0]["template"]["spec"]["template"]["spec"]
+    pod = build_jobset(tj, attempt=0, resume_step=50)["spec"]["replicatedJobs"][0]["template"]["spec"]["template"][
+        "spec"
+    ]
     names = [e["name"] for e in pod["containers"][0]["env"]]
     # Kubernetes keeps the last duplicate: the operator's value must come last.
     last = {e["name"]: e.get("value") for e in pod["containers"][0]["env"]}

@@ -1,6 +1,6 @@
 """Scenarios for the pure reconciler: what the operator decides from a TrainingJob and the world."""
 
-from datetime import datetime, timedelta, timezone
+from datetime import UTC, datetime, timedelta
 
 from tpujob_operator.facts import JobSetFacts, Observed, PodFacts, Progress
 from tpujob_operator.reconcile import reconcile
@@ -8,7 +8,7 @@ from tpujob_operator.status import rfc3339
 
 from .factories import training_job
 
-T0 = datetime(2026, 11, 30, 12, 0, tzinfo=timezone.utc)
+T0 = datetime(2026, 11, 30, 12, 0, tzinfo=UTC)
 
 
 def _active(attempt=0, state="Active", resume=None, created=T0, pods=()):
@@ -36,7 +36,9 @@ def test_reconcile_is_idempotent_when_the_jobset_exists():
 def test_progress_of_the_current_attempt_makes_it_running():
     tj = training_job(status={"phase": "Pending", "attempt": 0})
     progress = Progress(step=120, attempt=0, updated_at=T0, loss=3.2)
-    status, actions = reconcile(tj, Observed(now=T0, jobsets=(_active(),), progress=progress, latest_committed_step=100))
+    status, actions = reconcile(
+        tj, Observed(now=T0, jobsets=(_active(),), progress=progress, latest_committed_step=100)
+    )
     assert status.phase == "Running"
     assert (status.step, status.loss, status.latest_checkpoint.step) == (120, 3.2, 100)
     assert _conditions(status)["Running"] == ("True", "Training")
@@ -59,7 +61,7 @@ def test_failure_restarts_from_latest_committed_with_lost_steps_recorded():
 
 def test_after_backoff_the_next_attempt_is_created_pinned_to_the_committed_step():
     tj = training_job(status={"phase": "Restarting", "attempt": 1, "restarts": 1, "nextRestartTime": rfc3339(T0)})
-    early, early_actions = reconcile(tj, Observed(now=T0 - timedelta(seconds=3), latest_committed_step=100))
+    _, early_actions = reconcile(tj, Observed(now=T0 - timedelta(seconds=3), latest_committed_step=100))
     assert early_actions.create_attempt is None and early_actions.requeue_after == 3
     status, actions = reconcile(tj, Observed(now=T0, latest_committed_step=100))
     assert (actions.create_attempt, actions.resume_step) == (1, 100)
@@ -70,14 +72,16 @@ def test_after_backoff_the_next_attempt_is_created_pinned_to_the_committed_step(
 def test_preemption_restarts_without_spending_the_budget():
     tj = training_job(restart={"maxRestarts": 0}, status={"phase": "Running", "attempt": 2})
     failed = _active(attempt=2, state="Failed", pods=(PodFacts("w", 0, "Failed", exit_code=143),))
-    status, actions = reconcile(tj, Observed(now=T0, jobsets=(failed,), latest_committed_step=40))
+    status, _ = reconcile(tj, Observed(now=T0, jobsets=(failed,), latest_committed_step=40))
     assert status.phase == "Restarting"
     assert (status.restarts, status.counted_restarts) == (1, 0)
     assert status.last_failure.counted is False
 
 
 def test_exhausted_budget_fails_the_job_with_a_condition_saying_why():
-    tj = training_job(restart={"maxRestarts": 1}, status={"phase": "Running", "attempt": 1, "restarts": 1, "countedRestarts": 1})
+    tj = training_job(
+        restart={"maxRestarts": 1}, status={"phase": "Running", "attempt": 1, "restarts": 1, "countedRestarts": 1}
+    )
     failed = _active(attempt=1, state="Failed", pods=(PodFacts("w", 0, "Failed", exit_code=2),))
     status, actions = reconcile(tj, Observed(now=T0, jobsets=(failed,)))
     assert status.phase == "Failed"
@@ -100,7 +104,9 @@ def test_completed_jobset_succeeds():
 
 
 def test_no_progress_for_the_hang_timeout_is_a_counted_hang():
-    tj = training_job(restart={"hangTimeoutSeconds": 60}, status={"phase": "Running", "attempt": 0, "lastProgressTime": rfc3339(T0)})
+    tj = training_job(
+        restart={"hangTimeoutSeconds": 60}, status={"phase": "Running", "attempt": 0, "lastProgressTime": rfc3339(T0)}
+    )
     progress = Progress(step=50, attempt=0, updated_at=T0)
     fine, _ = reconcile(tj, Observed(now=T0 + timedelta(seconds=59), jobsets=(_active(),), progress=progress))
     assert fine.phase == "Running"
@@ -130,7 +136,9 @@ def test_suspend_and_resume_map_to_the_jobset():
 
 
 def test_unschedulable_pods_keep_the_job_pending_with_the_reason():
-    pods = (PodFacts("w", 0, "Pending", unschedulable_message="0/3 nodes are available: node(s) didn't match selector"),)
+    pods = (
+        PodFacts("w", 0, "Pending", unschedulable_message="0/3 nodes are available: node(s) didn't match selector"),
+    )
     tj = training_job(status={"phase": "Pending", "attempt": 0})
     status, _ = reconcile(tj, Observed(now=T0, jobsets=(_active(pods=pods),)))
     assert status.phase == "Pending"
@@ -142,6 +150,8 @@ def test_recovery_time_is_measured_to_the_first_resumed_step():
     failure = {"time": rfc3339(T0), "kind": "ApplicationError", "reason": "ExitCode1", "resumeStep": 100}
     tj = training_job(status={"phase": "Restarting", "attempt": 1, "lastFailure": failure})
     progress = Progress(step=101, attempt=1, updated_at=T0 + timedelta(seconds=42))
-    status, _ = reconcile(tj, Observed(now=T0 + timedelta(seconds=45), jobsets=(_active(attempt=1),), progress=progress))
+    status, _ = reconcile(
+        tj, Observed(now=T0 + timedelta(seconds=45), jobsets=(_active(attempt=1),), progress=progress)
+    )
     assert status.last_failure.recovery_seconds == 42.0
     assert status.phase == "Running"

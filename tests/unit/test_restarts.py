@@ -1,12 +1,11 @@
-from datetime import datetime, timedelta, timezone
+from datetime import UTC, datetime, timedelta
 
 import pytest
-
 from tpujob_operator.api import RestartSpec
 from tpujob_operator.facts import JobSetFacts, PodFacts
 from tpujob_operator.restarts import backoff, classify_jobset_failure, classify_pod, counts_against_budget
 
-T0 = datetime(2026, 11, 30, 12, 0, tzinfo=timezone.utc)
+T0 = datetime(2026, 11, 30, 12, 0, tzinfo=UTC)
 
 
 @pytest.mark.parametrize(
@@ -15,7 +14,11 @@ T0 = datetime(2026, 11, 30, 12, 0, tzinfo=timezone.utc)
         (PodFacts("p", 0, "Failed", exit_code=1, reason="Error"), "ApplicationError", "ExitCode1"),
         (PodFacts("p", 0, "Failed", exit_code=137, reason="OOMKilled"), "ApplicationError", "OOMKilled"),
         (PodFacts("p", 1, "Failed", exit_code=143, reason="Error"), "Preemption", "Terminated"),
-        (PodFacts("p", 1, "Failed", exit_code=137, disruption_reason="PreemptionByScheduler"), "Preemption", "PreemptionByScheduler"),
+        (
+            PodFacts("p", 1, "Failed", exit_code=137, disruption_reason="PreemptionByScheduler"),
+            "Preemption",
+            "PreemptionByScheduler",
+        ),
         (PodFacts("p", 1, "Failed", disruption_reason="EvictionByEvictionAPI"), "Preemption", "EvictionByEvictionAPI"),
         (PodFacts("p", 0, "Failed", disruption_reason="DeletionByTaintManager"), "NodeLost", "DeletionByTaintManager"),
         (PodFacts("p", 0, "Failed", disruption_reason="DeletionByPodGC"), "NodeLost", "DeletionByPodGC"),
@@ -43,7 +46,9 @@ def test_root_cause_is_the_earliest_failed_pod_not_its_collateral():
 
 
 def test_without_pods_the_jobset_condition_is_reported():
-    jobset = JobSetFacts("js", 0, None, T0, "Failed", condition_reason="FailedJobs", condition_message="job js-slice-1 failed")
+    jobset = JobSetFacts(
+        "js", 0, None, T0, "Failed", condition_reason="FailedJobs", condition_message="job js-slice-1 failed"
+    )
     failure = classify_jobset_failure(jobset)
     assert (failure.kind, failure.reason, failure.message) == ("Unknown", "FailedJobs", "job js-slice-1 failed")
 

@@ -1,7 +1,6 @@
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
-
 from tpujob_operator.tpu import ACCELERATORS, UnknownTpuShape, chips_in, slice_shape
 
 

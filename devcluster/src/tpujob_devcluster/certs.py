@@ -40,10 +40,15 @@ def _write_key(path: Path, key: rsa.RSAPrivateKey) -> None:
 
 
 def _cert(
-    subject: x509.Name, key: rsa.RSAPrivateKey, issuer: x509.Name, signer: rsa.RSAPrivateKey, *, ca: bool,
+    subject: x509.Name,
+    key: rsa.RSAPrivateKey,
+    issuer: x509.Name,
+    signer: rsa.RSAPrivateKey,
+    *,
+    ca: bool,
     sans: list[x509.GeneralName] | None = None,
 ) -> x509.Certificate:
-    now = datetime.datetime.now(datetime.timezone.utc)
+    now = datetime.datetime.now(datetime.UTC)
     builder = (
         x509.CertificateBuilder()
         .subject_name(subject)
@@ -69,9 +74,21 @@ def _name(common_name: str, organization: str | None = None) -> x509.Name:
 def make_pki(directory: Path) -> PkiFiles:
     """Create the files once; reuse them when they exist (so `make up` is idempotent)."""
     directory.mkdir(parents=True, exist_ok=True)
-    files = PkiFiles(*(directory / n for n in (
-        "ca.crt", "ca.key", "apiserver.crt", "apiserver.key", "admin.crt", "admin.key", "sa.pub", "sa.key",
-    )))
+    files = PkiFiles(
+        *(
+            directory / n
+            for n in (
+                "ca.crt",
+                "ca.key",
+                "apiserver.crt",
+                "apiserver.key",
+                "admin.crt",
+                "admin.key",
+                "sa.pub",
+                "sa.key",
+            )
+        )
+    )
     if all(p.exists() for p in files.__dict__.values()):
         return files
     ca_key, ca_name = _key(), _name("tpujob-devcluster-ca")
@@ -79,16 +96,22 @@ def make_pki(directory: Path) -> PkiFiles:
     _write_key(files.ca_key, ca_key)
     serving_key = _key()
     sans: list[x509.GeneralName] = [
-        x509.DNSName("localhost"), x509.DNSName("kubernetes"), x509.DNSName("kubernetes.default"),
+        x509.DNSName("localhost"),
+        x509.DNSName("kubernetes"),
+        x509.DNSName("kubernetes.default"),
         x509.IPAddress(ipaddress.ip_address("127.0.0.1")),
     ]
     files.serving_cert.write_bytes(
-        _cert(_name("kube-apiserver"), serving_key, ca_name, ca_key, ca=False, sans=sans).public_bytes(serialization.Encoding.PEM)
+        _cert(_name("kube-apiserver"), serving_key, ca_name, ca_key, ca=False, sans=sans).public_bytes(
+            serialization.Encoding.PEM
+        )
     )
     _write_key(files.serving_key, serving_key)
     admin_key = _key()
     files.admin_cert.write_bytes(
-        _cert(_name("admin", "system:masters"), admin_key, ca_name, ca_key, ca=False).public_bytes(serialization.Encoding.PEM)
+        _cert(_name("admin", "system:masters"), admin_key, ca_name, ca_key, ca=False).public_bytes(
+            serialization.Encoding.PEM
+        )
     )
     _write_key(files.admin_key, admin_key)
     sa_key = _key()

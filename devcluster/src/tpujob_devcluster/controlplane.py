@@ -16,9 +16,10 @@ import subprocess
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO
+from typing import IO, Any
 
 import yaml
 
@@ -26,6 +27,7 @@ from .certs import PkiFiles, make_pki
 
 REPO_ROOT = Path(__file__).resolve().parents[3]
 BUILD_SCRIPT = REPO_ROOT / "devcluster" / "build.sh"
+TOOLS_SCRIPT = REPO_ROOT / "devcluster" / "tools.sh"
 SERVICE_CIDR = "10.96.0.0/24"  # allocation range only: no traffic is ever sent to it
 
 
@@ -39,15 +41,24 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
-def build_binaries(components: str | None = None) -> Path:
-    """Run devcluster/build.sh (a no-op when the versioned cache has them) and return the bin dir."""
-    env = dict(os.environ)
-    if components:
-        env["COMPONENTS"] = components
-    result = subprocess.run(["bash", str(BUILD_SCRIPT)], env=env, check=False, stdout=subprocess.PIPE, text=True)
+def _script_output_dir(script: Path, env: dict[str, str] | None = None) -> Path:
+    """Run an install script (a no-op when its versioned cache is filled) and return the folder it prints."""
+    result = subprocess.run(
+        ["bash", str(script)], env={**os.environ, **(env or {})}, check=False, stdout=subprocess.PIPE, text=True
+    )
     if result.returncode != 0:
-        raise ControlPlaneError(f"{BUILD_SCRIPT} failed with exit code {result.returncode} (see its output above)")
+        raise ControlPlaneError(f"{script} failed with exit code {result.returncode} (see its output above)")
     return Path(result.stdout.strip().splitlines()[-1])
+
+
+def build_binaries(components: str | None = None) -> Path:
+    """Control-plane binaries from devcluster/build.sh: etcd, kube-*, jobset, kwok."""
+    return _script_output_dir(BUILD_SCRIPT, {"COMPONENTS": components} if components else None)
+
+
+def tools_dir() -> Path:
+    """kubectl and helm from devcluster/tools.sh."""
+    return _script_output_dir(TOOLS_SCRIPT)
 
 
 @dataclass
@@ -61,7 +72,10 @@ class Component:
     def start(self, env: dict[str, str] | None = None) -> None:
         self.log_file = self.log_path.open("ab")
         self.process = subprocess.Popen(
-            self.argv, stdout=self.log_file, stderr=subprocess.STDOUT, start_new_session=True,
+            self.argv,
+            stdout=self.log_file,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
             env={**os.environ, **(env or {})},
         )
 
@@ -92,7 +106,9 @@ class ControlPlane:
 
     workdir: Path
     bin_dir: Path
-    controllers: str = "*,-nodeipam,-nodelifecycle,-cloud-node-lifecycle,-service,-route,-persistentvolume-binder,-attachdetach"
+    controllers: str = (
+        "*,-nodeipam,-nodelifecycle,-cloud-node-lifecycle,-service,-route,-persistentvolume-binder,-attachdetach"
+    )
     components: list[Component] = field(default_factory=list)
     api_port: int = 0
     etcd_port: int = 0
@@ -106,7 +122,7 @@ class ControlPlane:
     def server(self) -> str:
         return f"https://127.0.0.1:{self.api_port}"
 
-    def start(self, timeout: float = 120.0) -> "ControlPlane":
+    def start(self, timeout: float = 120.0) -> ControlPlane:
         self.workdir.mkdir(parents=True, exist_ok=True)
         logs = self.workdir / "logs"
         logs.mkdir(exist_ok=True)
@@ -114,31 +130,39 @@ class ControlPlane:
         self.api_port = self.api_port or free_port()
         self.etcd_port = self.etcd_port or free_port()
         self._write_kubeconfig()
-        etcd = Component("etcd", [
-            str(self.bin_dir / "etcd"),
-            f"--data-dir={self.workdir / 'etcd'}",
-            f"--listen-client-urls=http://127.0.0.1:{self.etcd_port}",
-            f"--advertise-client-urls=http://127.0.0.1:{self.etcd_port}",
-            f"--listen-peer-urls=http://127.0.0.1:{free_port()}",
-            "--unsafe-no-fsync",  # test data: durability is not worth the fsync latency on a shared disk
-            "--log-level=warn",
-        ], logs / "etcd.log")
+        etcd = Component(
+            "etcd",
+            [
+                str(self.bin_dir / "etcd"),
+                f"--data-dir={self.workdir / 'etcd'}",
+                f"--listen-client-urls=http://127.0.0.1:{self.etcd_port}",
+                f"--advertise-client-urls=http://127.0.0.1:{self.etcd_port}",
+                f"--listen-peer-urls=http://127.0.0.1:{free_port()}",
+                "--unsafe-no-fsync",  # test data: durability is not worth the fsync latency on a shared disk
+                "--log-level=warn",
+            ],
+            logs / "etcd.log",
+        )
         self._launch(etcd)
         self._wait(lambda: _http_ok(f"http://127.0.0.1:{self.etcd_port}/health"), etcd, timeout)
         apiserver = Component("kube-apiserver", self._apiserver_argv(), logs / "kube-apiserver.log")
         self._launch(apiserver)
         self._wait(lambda: self._api_ok("/readyz"), apiserver, timeout)
-        kcm = Component("kube-controller-manager", [
-            str(self.bin_dir / "kube-controller-manager"),
-            f"--kubeconfig={self.kubeconfig}",
-            f"--controllers={self.controllers}",
-            f"--service-account-private-key-file={self.pki.sa_private}",
-            f"--root-ca-file={self.pki.ca_cert}",
-            "--leader-elect=false",
-            "--secure-port=0",
-            "--concurrent-gc-syncs=5",
-            "--v=1",
-        ], logs / "kube-controller-manager.log")
+        kcm = Component(
+            "kube-controller-manager",
+            [
+                str(self.bin_dir / "kube-controller-manager"),
+                f"--kubeconfig={self.kubeconfig}",
+                f"--controllers={self.controllers}",
+                f"--service-account-private-key-file={self.pki.sa_private}",
+                f"--root-ca-file={self.pki.ca_cert}",
+                "--leader-elect=false",
+                "--secure-port=0",
+                "--concurrent-gc-syncs=5",
+                "--v=1",
+            ],
+            logs / "kube-controller-manager.log",
+        )
         self._launch(kcm)
         self._wait(self._namespace_default_ready, kcm, timeout)
         return self
@@ -170,12 +194,12 @@ class ControlPlane:
         component.start()
         self.components.append(component)
 
-    def _wait(self, ready: "object", component: Component, timeout: float) -> None:
+    def _wait(self, ready: Callable[[], bool], component: Component, timeout: float) -> None:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if not component.alive():
                 raise ControlPlaneError(f"{component.name} exited:\n{component.log_tail()}")
-            if callable(ready) and ready():
+            if ready():
                 return
             time.sleep(0.3)
         raise ControlPlaneError(f"{component.name} not ready after {timeout}s:\n{component.log_tail()}")
@@ -198,8 +222,18 @@ class ControlPlane:
         config = {
             "apiVersion": "v1",
             "kind": "Config",
-            "clusters": [{"name": "devcluster", "cluster": {"server": self.server, "certificate-authority": str(self.pki.ca_cert)}}],
-            "users": [{"name": "admin", "user": {"client-certificate": str(self.pki.admin_cert), "client-key": str(self.pki.admin_key)}}],
+            "clusters": [
+                {
+                    "name": "devcluster",
+                    "cluster": {"server": self.server, "certificate-authority": str(self.pki.ca_cert)},
+                }
+            ],
+            "users": [
+                {
+                    "name": "admin",
+                    "user": {"client-certificate": str(self.pki.admin_cert), "client-key": str(self.pki.admin_key)},
+                }
+            ],
             "contexts": [{"name": "devcluster", "context": {"cluster": "devcluster", "user": "admin"}}],
             "current-context": "devcluster",
         }
@@ -226,13 +260,15 @@ class ControlPlane:
         raise ControlPlaneError(f"CRD {name} not established after {timeout}s")
 
     @staticmethod
-    def _check(result: tuple[int, dict[str, object]], what: Path) -> None:
+    def _check(result: tuple[int, dict[str, Any]], what: Path) -> None:
         if result[0] >= 300:
             raise ControlPlaneError(f"applying {what} failed: HTTP {result[0]}: {result[1].get('message')}")
 
-    def request(self, method: str, path: str, body: object | None = None) -> tuple[int, dict[str, object]]:
+    def request(self, method: str, path: str, body: object | None = None) -> tuple[int, dict[str, Any]]:
         data = json.dumps(body).encode() if body is not None else None
-        request = urllib.request.Request(self.server + path, data=data, method=method, headers={"Content-Type": "application/json"})
+        request = urllib.request.Request(
+            self.server + path, data=data, method=method, headers={"Content-Type": "application/json"}
+        )
         try:
             with urllib.request.urlopen(request, context=self.ssl_context(), timeout=30) as response:
                 return response.status, json.loads(response.read() or b"{}")

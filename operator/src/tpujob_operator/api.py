@@ -11,6 +11,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 from pydantic.alias_generators import to_camel
+from pydantic import JsonValue
 
 from .tpu import ACCELERATORS
 
@@ -30,8 +31,9 @@ Phase = Literal["Pending", "Running", "Restarting", "Suspended", "Succeeded", "F
 FailureKind = Literal["Preemption", "ApplicationError", "Hang", "NodeLost", "Unknown"]
 
 
-def cel(rule: str, message: str, field_path: str | None = None) -> dict[str, str]:
-    validation = {"rule": rule, "message": message}
+def cel(rule: str, message: str, field_path: str | None = None) -> dict[str, JsonValue]:
+    """One x-kubernetes-validations entry; the message always names the field it is about."""
+    validation: dict[str, JsonValue] = {"rule": rule, "message": message}
     if field_path:
         validation["fieldPath"] = field_path
     return validation
@@ -53,7 +55,8 @@ class EnvVar(ApiModel):
 
 class Resources(ApiModel):
     requests: dict[str, int | str] | None = Field(
-        default=None, description="Extra container resource requests (cpu, memory). google.com/tpu is set by the operator."
+        default=None,
+        description="Extra container resource requests (cpu, memory). google.com/tpu is set by the operator.",
     )
     limits: dict[str, int | str] | None = Field(
         default=None, description="Extra container resource limits. google.com/tpu is set by the operator."
@@ -138,7 +141,9 @@ class CheckpointSpec(ApiModel):
 
 
 class RestartSpec(ApiModel):
-    max_restarts: int = Field(default=3, ge=0, description="Restarts allowed for failures that count against the budget.")
+    max_restarts: int = Field(
+        default=3, ge=0, description="Restarts allowed for failures that count against the budget."
+    )
     backoff_seconds: int = Field(
         default=10, ge=0, description="Wait before the first restart; doubles with each counted restart."
     )
@@ -160,7 +165,8 @@ class TrainingJobSpec(ApiModel):
     env: list[EnvVar] | None = Field(default=None, description="Extra environment for the trainer container.")
     resources: Resources | None = Field(default=None, description="Extra container resources besides the TPU chips.")
     service_account_name: str | None = Field(
-        default=None, description="Kubernetes ServiceAccount of the workers (bind it to a GCP one with Workload Identity)."
+        default=None,
+        description="Kubernetes ServiceAccount of the workers (bind it to a GCP one with Workload Identity).",
     )
     tpu: TpuSpec = Field(
         description="TPU slice shape and count. Immutable after creation.",
@@ -219,6 +225,9 @@ class TrainingJobStatus(ApiModel):
     completion_time: str | None = None
     next_restart_time: str | None = None
     last_progress_time: str | None = None
+    checkpoint_storage_error: str | None = Field(
+        default=None, description="Why the checkpoint directory could not be read, while it cannot."
+    )
 
 
 class TrainingJob(ApiModel):

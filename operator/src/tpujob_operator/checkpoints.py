@@ -31,21 +31,23 @@ class StorageError(RuntimeError):
 def split_gs_path(path: str) -> tuple[str, str]:
     if not path.startswith("gs://"):
         raise ValueError(f"not a gs:// path: {path!r}")
-    bucket, _, prefix = path[len("gs://"):].partition("/")
+    bucket, _, prefix = path[len("gs://") :].partition("/")
     return bucket, prefix.strip("/")
 
 
 def make_client() -> storage.Client:
     """Default credentials on GKE (Workload Identity); anonymous against the emulator."""
     if os.environ.get("STORAGE_EMULATOR_HOST"):
-        return storage.Client(project=os.environ.get("GOOGLE_CLOUD_PROJECT", "test"), credentials=AnonymousCredentials())
+        return storage.Client(
+            project=os.environ.get("GOOGLE_CLOUD_PROJECT", "test"), credentials=AnonymousCredentials()
+        )
     return storage.Client()
 
 
 def step_candidates(checkpoints_prefix: str, prefixes: list[str]) -> list[int]:
     """Step numbers of the directories directly under checkpoints/, newest first. Orbax's temporary
     directories (<step>.orbax-checkpoint-tmp-...) are not digits-only and drop out here."""
-    relative = (p[len(checkpoints_prefix):] for p in prefixes if p.startswith(checkpoints_prefix))
+    relative = (p[len(checkpoints_prefix) :] for p in prefixes if p.startswith(checkpoints_prefix))
     return sorted((int(m.group(1)) for m in map(_STEP_DIR.match, relative) if m), reverse=True)
 
 

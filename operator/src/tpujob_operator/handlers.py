@@ -1,7 +1,8 @@
 """Thin kopf handlers: gather facts, call the pure reconciler, apply its actions.
 
-Every trigger (create, resume after an operator restart, spec update, a JobSet event, the periodic
-timer) runs the same level-triggered `reconcile_job`, serialised per TrainingJob by a lock.
+Every trigger (a new or changed TrainingJob, the initial listing after an operator restart, a JobSet
+event, the periodic poller) runs the same level-triggered `reconcile_job`, serialised per
+TrainingJob by a lock.
 """
 
 from __future__ import annotations
@@ -9,8 +10,8 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections import defaultdict
-from datetime import datetime, timezone
-from typing import Any
+from datetime import UTC, datetime
+from typing import Any, cast
 
 import kopf
 from pydantic import ValidationError
@@ -26,6 +27,16 @@ log = logging.getLogger("tpujob")
 _locks: defaultdict[tuple[str, str], asyncio.Lock] = defaultdict(asyncio.Lock)
 _cluster: Cluster | None = None
 _storage: Any = None
+_watched: set[tuple[str, str]] = set()
+_poller: asyncio.Task[None] | None = None
+
+
+def reset_clients() -> None:
+    """Forget cached API/GCS clients (tests start the operator against fresh endpoints)."""
+    global _cluster, _storage
+    _cluster, _storage = None, None
+    _locks.clear()
+    _watched.clear()
 
 
 def cluster() -> Cluster:
@@ -45,16 +56,14 @@ def storage_client() -> Any:
 
 @kopf.on.startup()
 def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
-    # Keep kopf's bookkeeping in annotations so status holds only the TrainingJob schema's fields.
-    settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=api.GROUP)
-    settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(prefix=api.GROUP)
-    settings.persistence.finalizer = f"{api.GROUP}/kopf-finalizer"
     # Watches reconnect regularly and API calls cannot hang: a silent network drop costs minutes, not hours.
     settings.watching.server_timeout = 300
     settings.watching.client_timeout = 330
     settings.watching.connect_timeout = 30
     settings.networking.request_timeout = 60
-    settings.posting.level = logging.INFO
+    # Only problems become Events from logs; the reconciler posts its own Events for transitions.
+    settings.posting.level = logging.WARNING
+    _locks.clear()  # locks belong to the previous event loop, if any
 
 
 @kopf.on.probe(id="reconciles")
@@ -76,14 +85,24 @@ def _observe(tj: api.TrainingJob, raw_jobsets: list[dict[str, Any]], pods: list[
         for js in raw_jobsets
     )
     return Observed(
-        now=datetime.now(timezone.utc), jobsets=facts, latest_committed_step=latest, progress=progress, storage_error=error
+        now=datetime.now(UTC),
+        jobsets=facts,
+        latest_committed_step=latest,
+        progress=progress,
+        storage_error=error,
     )
 
 
 def _apply(tj: api.TrainingJob, body: dict[str, Any], status: api.TrainingJobStatus, actions: Actions) -> None:
     kube = cluster()
     # Status first: if a later step fails, the next reconcile still knows the attempt it is on.
-    kube.patch_status(tj.namespace, tj.name, status.model_dump(by_alias=True, exclude_none=True, mode="json"))
+    # Unchanged status is not written, so idle jobs cost the apiserver only reads.
+    new_status = status.model_dump(by_alias=True, exclude_none=True, mode="json")
+    old_status = body.get("status") or {}
+    if new_status != old_status:
+        # A merge patch keeps keys it does not mention: cleared fields must be sent as null.
+        cleared = {key: None for key in old_status if key not in new_status}
+        kube.patch_status(tj.namespace, tj.name, {**cleared, **new_status})
     for name in actions.delete:
         kube.delete_jobset(tj.namespace, name)
     if actions.create_attempt is not None:
@@ -94,7 +113,7 @@ def _apply(tj: api.TrainingJob, body: dict[str, Any], status: api.TrainingJobSta
     if actions.set_suspend is not None:
         kube.set_jobset_suspend(tj.namespace, *actions.set_suspend)
     for event in actions.events:
-        kopf.event(body, type=event.type, reason=event.reason, message=event.message)
+        kopf.event(cast(kopf.Body, body), type=event.type, reason=event.reason, message=event.message)
 
 
 def _report_invalid(body: dict[str, Any], error: ValidationError) -> None:
@@ -104,9 +123,11 @@ def _report_invalid(body: dict[str, Any], error: ValidationError) -> None:
     current = api.TrainingJobStatus.model_validate(body.get("status") or {})
     if current.phase == "Failed":
         return
-    status = with_phase(current, "Failed", "InvalidSpec", message, datetime.now(timezone.utc))
-    cluster().patch_status(meta["namespace"], meta["name"], status.model_dump(by_alias=True, exclude_none=True, mode="json"))
-    kopf.event(body, type="Warning", reason="InvalidSpec", message=message)
+    status = with_phase(current, "Failed", "InvalidSpec", message, datetime.now(UTC))
+    cluster().patch_status(
+        meta["namespace"], meta["name"], status.model_dump(by_alias=True, exclude_none=True, mode="json")
+    )
+    kopf.event(cast(kopf.Body, body), type="Warning", reason="InvalidSpec", message=message)
 
 
 def reconcile_sync(namespace: str, name: str) -> float | None:
@@ -120,13 +141,22 @@ def reconcile_sync(namespace: str, name: str) -> float | None:
         _report_invalid(body, error)
         return None
     if tj.status.phase in TERMINAL_PHASES:
+        _watched.discard((namespace, name))
         return None
     raw_jobsets = kube.list_jobsets(namespace, name)
     pods = kube.list_pods(namespace, name, tj.status.attempt)
     status, actions = reconcile(tj, _observe(tj, raw_jobsets, pods))
     _apply(tj, body, status, actions)
     if status.phase != tj.status.phase:
-        log.info("%s/%s: %s -> %s (attempt %d, step %s)", namespace, name, tj.status.phase, status.phase, status.attempt, status.step)
+        log.info(
+            "%s/%s: %s -> %s (attempt %d, step %s)",
+            namespace,
+            name,
+            tj.status.phase,
+            status.phase,
+            status.attempt,
+            status.step,
+        )
     return actions.requeue_after
 
 
@@ -135,23 +165,49 @@ async def reconcile_job(namespace: str, name: str) -> float | None:
         return await asyncio.to_thread(reconcile_sync, namespace, name)
 
 
-@kopf.on.create(api.GROUP, api.VERSION, api.PLURAL)
-@kopf.on.resume(api.GROUP, api.VERSION, api.PLURAL)
-@kopf.on.update(api.GROUP, api.VERSION, api.PLURAL, field="spec")
-async def on_training_job(namespace: str, name: str, **_: Any) -> None:
-    await reconcile_job(namespace, name)
-
-
-@kopf.timer(api.GROUP, api.VERSION, api.PLURAL, interval=POLL_SECONDS / 2, initial_delay=POLL_SECONDS / 2)
-async def poll(namespace: str, name: str, status: dict[str, Any], **_: Any) -> None:
-    if status.get("phase") not in TERMINAL_PHASES:
-        await reconcile_job(namespace, name)
+@kopf.on.event(api.GROUP, api.VERSION, api.PLURAL)
+async def on_training_job(
+    type: str, namespace: str | None, name: str, status: kopf.Status, meta: kopf.Meta, **_: Any
+) -> None:
+    # Event handlers, not create/update/timer handlers: those make kopf put a finalizer on every
+    # TrainingJob, and deleting one would then hang while the operator is down. Cleanup needs no
+    # finalizer here: the JobSet is owned and garbage-collected.
+    key = (namespace or "default", name)
+    if type == "DELETED":
+        _watched.discard(key)
+        return
+    _watched.add(key)
+    # New, seen at start-up (type None: the initial listing) or spec changed: reconcile now.
+    # Status-only changes (our own writes) wait for the poller.
+    if type in (None, "ADDED") or meta.get("generation") != status.get("observedGeneration"):
+        await reconcile_job(*key)
 
 
 @kopf.on.event("jobset.x-k8s.io", "v1alpha2", "jobsets", labels={LABEL_NAME: kopf.PRESENT})
-async def on_jobset_event(namespace: str, labels: dict[str, str], type: str | None, **_: Any) -> None:
-    # A JobSet changed (e.g. it failed): react now rather than at the next timer tick.
-    if type in ("MODIFIED", "DELETED"):
+async def on_jobset_event(type: str, namespace: str | None, labels: kopf.Labels, **_: Any) -> None:
+    # A JobSet changed (e.g. it failed): react now rather than at the next poll.
+    if type in ("MODIFIED", "DELETED") and namespace:
         await reconcile_job(namespace, labels[LABEL_NAME])
 
 
+async def _poll_forever() -> None:
+    """Re-examine every live TrainingJob regularly: progress, hangs, backoff expiry, new checkpoints."""
+    while True:
+        await asyncio.sleep(POLL_SECONDS / 2)
+        for namespace, name in sorted(_watched):
+            try:
+                await reconcile_job(namespace, name)
+            except Exception:  # one job's trouble must not stop the others from being polled
+                log.exception("reconcile of %s/%s failed", namespace, name)
+
+
+@kopf.on.startup()
+async def start_poller(**_: Any) -> None:
+    global _poller
+    _poller = asyncio.get_running_loop().create_task(_poll_forever(), name="tpujob-poller")
+
+
+@kopf.on.cleanup()
+async def stop_poller(**_: Any) -> None:
+    if _poller is not None:
+        _poller.cancel()

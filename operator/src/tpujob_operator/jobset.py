@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .api import GROUP, VERSION, KIND, TrainingJob
+from .api import GROUP, KIND, VERSION, TrainingJob
 from .tpu import slice_shape
 
 JOBSET_GROUP = "jobset.x-k8s.io"

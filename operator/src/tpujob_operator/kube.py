@@ -6,8 +6,8 @@ Blocking kubernetes-client calls; handlers run them in a worker thread.
 from __future__ import annotations
 
 import logging
-from datetime import datetime, timezone
-from typing import Any
+from datetime import UTC, datetime
+from typing import Any, cast
 
 from kubernetes import client, config
 from kubernetes.client.exceptions import ApiException
@@ -50,7 +50,9 @@ def pod_facts(pod: dict[str, Any]) -> PodFacts:
     annotations = meta.get("annotations") or {}
     labels = meta.get("labels") or {}
     slice_text = annotations.get(JOB_INDEX_ANNOTATION) or labels.get(JOB_INDEX_ANNOTATION)
-    container = next((c for c in status.get("containerStatuses") or [] if c.get("name") == CONTAINER), {})
+    container: dict[str, Any] = next(
+        (c for c in status.get("containerStatuses") or [] if c.get("name") == CONTAINER), {}
+    )
     terminated = (container.get("state") or {}).get("terminated") or {}
     disruption = _condition(status.get("conditions"), "DisruptionTarget")
     scheduled = next((c for c in status.get("conditions") or [] if c.get("type") == "PodScheduled"), None)
@@ -86,7 +88,7 @@ def jobset_facts(jobset: dict[str, Any], pods: list[dict[str, Any]]) -> JobSetFa
         name=meta["name"],
         attempt=int((meta.get("labels") or {}).get(LABEL_ATTEMPT, "0")),
         resume_step=None if int(resume) < 0 else int(resume),
-        created=_time(meta.get("creationTimestamp")) or datetime.now(timezone.utc),
+        created=_time(meta.get("creationTimestamp")) or datetime.now(UTC),
         state=state,
         condition_reason=(condition or {}).get("reason", ""),
         condition_message=(condition or {}).get("message", ""),
@@ -104,9 +106,10 @@ class Cluster:
 
     def get_training_job(self, namespace: str, name: str) -> dict[str, Any] | None:
         try:
-            return self.custom.get_namespaced_custom_object(  # type: ignore[no-any-return]
+            found = self.custom.get_namespaced_custom_object(
                 api.GROUP, api.VERSION, namespace, api.PLURAL, name, _request_timeout=REQUEST_TIMEOUT_SECONDS
             )
+            return cast(dict[str, Any], found)
         except ApiException as error:
             if error.status == 404:
                 return None
@@ -114,21 +117,32 @@ class Cluster:
 
     def list_jobsets(self, namespace: str, name: str) -> list[dict[str, Any]]:
         found = self.custom.list_namespaced_custom_object(
-            JOBSET_GROUP, JOBSET_VERSION, namespace, JOBSET_PLURAL,
-            label_selector=f"{LABEL_NAME}={name}", _request_timeout=REQUEST_TIMEOUT_SECONDS,
+            JOBSET_GROUP,
+            JOBSET_VERSION,
+            namespace,
+            JOBSET_PLURAL,
+            label_selector=f"{LABEL_NAME}={name}",
+            _request_timeout=REQUEST_TIMEOUT_SECONDS,
         )
-        return list(found.get("items", []))
+        return list(cast(dict[str, Any], found).get("items", []))
 
     def list_pods(self, namespace: str, name: str, attempt: int) -> list[dict[str, Any]]:
         found = self.core.list_namespaced_pod(
-            namespace, label_selector=f"{LABEL_NAME}={name},{LABEL_ATTEMPT}={attempt}",
+            namespace,
+            label_selector=f"{LABEL_NAME}={name},{LABEL_ATTEMPT}={attempt}",
             _request_timeout=REQUEST_TIMEOUT_SECONDS,
         )
-        return [client.ApiClient().sanitize_for_serialization(p) for p in found.items]
+        # Plain dicts in the API's own camelCase, like every other object the operator reads.
+        return [cast(dict[str, Any], self.custom.api_client.sanitize_for_serialization(p)) for p in found.items]
 
     def patch_status(self, namespace: str, name: str, status: dict[str, Any]) -> None:
         self.custom.patch_namespaced_custom_object_status(
-            api.GROUP, api.VERSION, namespace, api.PLURAL, name, {"status": status},
+            api.GROUP,
+            api.VERSION,
+            namespace,
+            api.PLURAL,
+            name,
+            {"status": status},
             _request_timeout=REQUEST_TIMEOUT_SECONDS,
         )
 
@@ -136,7 +150,12 @@ class Cluster:
         """False when it already exists: creation is idempotent by name."""
         try:
             self.custom.create_namespaced_custom_object(
-                JOBSET_GROUP, JOBSET_VERSION, namespace, JOBSET_PLURAL, manifest, _request_timeout=REQUEST_TIMEOUT_SECONDS
+                JOBSET_GROUP,
+                JOBSET_VERSION,
+                namespace,
+                JOBSET_PLURAL,
+                manifest,
+                _request_timeout=REQUEST_TIMEOUT_SECONDS,
             )
             return True
         except ApiException as error:
@@ -147,7 +166,11 @@ class Cluster:
     def delete_jobset(self, namespace: str, name: str) -> None:
         try:
             self.custom.delete_namespaced_custom_object(
-                JOBSET_GROUP, JOBSET_VERSION, namespace, JOBSET_PLURAL, name,
+                JOBSET_GROUP,
+                JOBSET_VERSION,
+                namespace,
+                JOBSET_PLURAL,
+                name,
                 body=client.V1DeleteOptions(propagation_policy="Background"),
                 _request_timeout=REQUEST_TIMEOUT_SECONDS,
             )
@@ -157,6 +180,11 @@ class Cluster:
 
     def set_jobset_suspend(self, namespace: str, name: str, suspend: bool) -> None:
         self.custom.patch_namespaced_custom_object(
-            JOBSET_GROUP, JOBSET_VERSION, namespace, JOBSET_PLURAL, name, {"spec": {"suspend": suspend}},
+            JOBSET_GROUP,
+            JOBSET_VERSION,
+            namespace,
+            JOBSET_PLURAL,
+            name,
+            {"spec": {"suspend": suspend}},
             _request_timeout=REQUEST_TIMEOUT_SECONDS,
         )

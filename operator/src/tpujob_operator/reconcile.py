@@ -31,8 +31,10 @@ def reconcile(tj: TrainingJob, observed: Observed) -> tuple[TrainingJobStatus, A
     current = next((js for js in live if js.attempt == attempt), None)
     actions.delete = [js.name for js in live if js.attempt < attempt]
     status = with_observations(status, observed)
-    if observed.storage_error:
-        actions.events.append(Event("Warning", "CheckpointStorageError", observed.storage_error))
+    if observed.storage_error != status.checkpoint_storage_error:
+        if observed.storage_error:
+            actions.events.append(Event("Warning", "CheckpointStorageError", observed.storage_error))
+        status.checkpoint_storage_error = observed.storage_error
 
     if status.phase in TERMINAL_PHASES:
         return status, actions
@@ -60,11 +62,17 @@ def _without_jobset(
     actions.requeue_after = POLL_SECONDS
     status.next_restart_time = None
     status.resumed_from_step = observed.latest_committed_step
-    where = f"from committed step {observed.latest_committed_step}" if observed.latest_committed_step is not None else "from scratch"
+    where = (
+        f"from committed step {observed.latest_committed_step}"
+        if observed.latest_committed_step is not None
+        else "from scratch"
+    )
     if status.phase is None:
         actions.events.append(Event("Normal", "Created", f"created JobSet {status.job_set_name}, starting {where}"))
         return with_phase(status, "Pending", "JobSetCreated", f"starting {where}", now), actions
-    actions.events.append(Event("Normal", "Restored", f"attempt {status.attempt}: JobSet {status.job_set_name} resumes {where}"))
+    actions.events.append(
+        Event("Normal", "Restored", f"attempt {status.attempt}: JobSet {status.job_set_name} resumes {where}")
+    )
     return with_phase(status, "Restarting", "Restoring", f"attempt {status.attempt} resumes {where}", now), actions
 
 
@@ -76,7 +84,9 @@ def _while_active(
     if tj.spec.suspend:
         if current.state != "Suspended":
             actions.set_suspend = (current.name, True)
-            actions.events.append(Event("Normal", "Suspended", f"suspended JobSet {current.name}; checkpoints are kept"))
+            actions.events.append(
+                Event("Normal", "Suspended", f"suspended JobSet {current.name}; checkpoints are kept")
+            )
         return with_phase(status, "Suspended", "Suspended", "spec.suspend is true", now), actions
     if current.state == "Suspended":
         if current.resume_step == observed.latest_committed_step:
@@ -93,16 +103,24 @@ def _while_active(
     last_progress = parse_time(status.last_progress_time) if progressing else current.created
     if last_progress is not None and hung(now, last_progress, tj.spec.restart.hang_timeout_seconds):
         hang = Failure(
-            "Hang", "NoProgress",
+            "Hang",
+            "NoProgress",
             f"no step progress for {tj.spec.restart.hang_timeout_seconds}s (last at {rfc3339(last_progress)})",
-            None, now,
+            None,
+            now,
         )
         return _after_failure(tj, status, observed, actions, current, hang)
     if not progressing:
         unschedulable = next((p.unschedulable_message for p in current.pods if p.unschedulable_message), None)
         if unschedulable:
             return with_phase(status, "Pending", "Unschedulable", unschedulable, now), actions
-        return with_phase(status, status.phase if status.phase == "Restarting" else "Pending", "Starting", f"JobSet {current.name} is starting", now), actions
+        return with_phase(
+            status,
+            status.phase if status.phase == "Restarting" else "Pending",
+            "Starting",
+            f"JobSet {current.name} is starting",
+            now,
+        ), actions
     if status.phase != "Running":
         actions.events.append(Event("Normal", "Running", f"attempt {status.attempt} is training (step {status.step})"))
     return with_phase(status, "Running", "Training", f"training at step {status.step}", now), actions
@@ -120,7 +138,9 @@ def _after_failure(
     policy = tj.spec.restart
     counted = counts_against_budget(failure.kind, policy)
     latest = observed.latest_committed_step
-    reported_step = status.step if observed.progress is not None and observed.progress.attempt == status.attempt else None
+    reported_step = (
+        status.step if observed.progress is not None and observed.progress.attempt == status.attempt else None
+    )
     lost = max(0, reported_step - (latest if latest is not None else 0)) if reported_step is not None else None
     status.last_failure = FailureRecord(
         time=rfc3339(failure.time or now),
@@ -138,10 +158,15 @@ def _after_failure(
     actions.events.append(Event("Warning", "FailureDetected", f"{failure.kind} on {where}: {failure.message}"))
     if counted and not budget_left(policy, status.counted_restarts):
         actions.events.append(
-            Event("Warning", "RestartBudgetExhausted", f"{status.counted_restarts} counted restarts used of {policy.max_restarts}")
+            Event(
+                "Warning",
+                "RestartBudgetExhausted",
+                f"{status.counted_restarts} counted restarts used of {policy.max_restarts}",
+            )
         )
         status.completion_time = rfc3339(now)
-        message = f"restart budget exhausted ({status.counted_restarts}/{policy.max_restarts}); last failure: {failure.kind}: {failure.message}"
+        used = f"{status.counted_restarts}/{policy.max_restarts}"
+        message = f"restart budget exhausted ({used}); last failure: {failure.kind}: {failure.message}"
         return with_phase(status, "Failed", "RestartBudgetExhausted", message, now), actions
     status.restarts += 1
     status.counted_restarts += int(counted)
@@ -153,7 +178,11 @@ def _after_failure(
     actions.requeue_after = delay.total_seconds()
     resume = f"committed step {latest}" if latest is not None else "scratch"
     actions.events.append(
-        Event("Normal", "Restarting", f"restart {status.restarts} (attempt {status.attempt}) in {delay.total_seconds():.0f}s from {resume}")
+        Event(
+            "Normal",
+            "Restarting",
+            f"restart {status.restarts} (attempt {status.attempt}) in {delay.total_seconds():.0f}s from {resume}",
+        )
     )
     message = f"{failure.kind} ({failure.reason}); attempt {status.attempt} resumes from {resume}"
     return with_phase(status, "Restarting", failure.reason, message, now), actions

@@ -34,16 +34,32 @@ def classify_pod(pod: PodFacts) -> Failure | None:
     """Why one pod failed, or None if it did not."""
     if pod.disruption_reason in _INFRASTRUCTURE_DISRUPTIONS:
         kind = _INFRASTRUCTURE_DISRUPTIONS[pod.disruption_reason]
-        return Failure(kind, pod.disruption_reason, f"pod {pod.name}: {pod.disruption_reason}", pod.slice, pod.finished_at)
+        return Failure(
+            kind, pod.disruption_reason, f"pod {pod.name}: {pod.disruption_reason}", pod.slice, pod.finished_at
+        )
     if pod.phase != "Failed":
         return None
     if pod.reason in _NODE_LOST_POD_REASONS:
-        return Failure("NodeLost", pod.reason or "NodeLost", f"pod {pod.name}: {pod.reason}", pod.slice, pod.finished_at)
+        return Failure(
+            "NodeLost", pod.reason or "NodeLost", f"pod {pod.name}: {pod.reason}", pod.slice, pod.finished_at
+        )
     if pod.exit_code == SIGTERM_EXIT_CODE:
-        return Failure("Preemption", "Terminated", f"pod {pod.name} exited {SIGTERM_EXIT_CODE} after SIGTERM", pod.slice, pod.finished_at)
+        return Failure(
+            "Preemption",
+            "Terminated",
+            f"pod {pod.name} exited {SIGTERM_EXIT_CODE} after SIGTERM",
+            pod.slice,
+            pod.finished_at,
+        )
     if pod.exit_code is not None and pod.exit_code != 0:
         reason = pod.reason if pod.reason and pod.reason != "Error" else f"ExitCode{pod.exit_code}"
-        return Failure("ApplicationError", reason, f"pod {pod.name} exited with code {pod.exit_code} ({pod.reason or 'Error'})", pod.slice, pod.finished_at)
+        return Failure(
+            "ApplicationError",
+            reason,
+            f"pod {pod.name} exited with code {pod.exit_code} ({pod.reason or 'Error'})",
+            pod.slice,
+            pod.finished_at,
+        )
     return Failure("Unknown", pod.reason or "PodFailed", f"pod {pod.name} failed", pod.slice, pod.finished_at)
 
 

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from datetime import datetime, timezone
+from datetime import UTC, datetime
+from typing import Literal
 
 from .api import CheckpointRef, Condition, Phase, TrainingJobStatus
 from .facts import Observed
@@ -13,7 +14,7 @@ CONDITION_TYPES: tuple[Phase, ...] = ("Pending", "Running", "Restarting", "Suspe
 
 
 def rfc3339(moment: datetime) -> str:
-    return moment.astimezone(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+    return moment.astimezone(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
 def parse_time(text: str | None) -> datetime | None:
@@ -26,7 +27,7 @@ def set_condition(
     conditions: list[Condition], type_: str, status: bool, reason: str, message: str, now: datetime
 ) -> list[Condition]:
     """Upsert one condition; lastTransitionTime moves only when the status flips."""
-    wanted = "True" if status else "False"
+    wanted: Literal["True", "False"] = "True" if status else "False"
     previous = next((c for c in conditions if c.type == type_), None)
     transition = previous.last_transition_time if previous and previous.status == wanted else rfc3339(now)
     updated = Condition(type=type_, status=wanted, reason=reason, message=message, last_transition_time=transition)

@@ -1,0 +1,51 @@
+"""Session fixtures shared by the test tiers: the real control plane and the real GCS emulator."""
+
+from __future__ import annotations
+
+import os
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from tpujob_devcluster.controlplane import ControlPlane, build_binaries
+from tpujob_devcluster.fakegcs import FakeGcsServer, start_fake_gcs
+
+REPO = Path(__file__).resolve().parents[1]
+TEST_BUCKET = "tpujob-tests"
+
+
+@pytest.fixture(scope="session")
+def control_plane(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ControlPlane]:
+    """etcd + kube-apiserver + kube-controller-manager with the JobSet and TrainingJob CRDs."""
+    bin_dir = build_binaries("etcd kube-apiserver kube-controller-manager")
+    plane = ControlPlane(workdir=tmp_path_factory.mktemp("control-plane"), bin_dir=bin_dir).start()
+    try:
+        plane.apply_crd(bin_dir / "jobset-crd.yaml")
+        plane.apply_crd(REPO / "crds" / "trainingjob.yaml")
+        os.environ["KUBECONFIG"] = str(plane.kubeconfig)
+        yield plane
+    finally:
+        plane.stop()
+
+
+@pytest.fixture(scope="session")
+def fake_gcs_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[FakeGcsServer]:
+    server = start_fake_gcs(tmp_path_factory.mktemp("gcs") / "data")
+    server.create_bucket(TEST_BUCKET)
+    previous = {k: os.environ.get(k) for k in server.env()}
+    os.environ.update(server.env())
+    try:
+        yield server
+    finally:
+        server.stop()
+        for key, value in previous.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+
+
+@pytest.fixture
+def unique_name() -> str:
+    return f"t{uuid.uuid4().hex[:8]}"

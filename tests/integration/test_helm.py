@@ -1,0 +1,93 @@
+"""The Helm chart: lint, render, and install into the real control plane."""
+
+from __future__ import annotations
+
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from kubernetes import client
+from tpujob_devcluster.controlplane import tools_dir
+
+from .conftest import eventually
+
+pytestmark = pytest.mark.integration
+CHART = Path(__file__).resolve().parents[2] / "charts" / "tpujob"
+
+
+def helm(*args: str) -> str:
+    result = subprocess.run([str(tools_dir() / "helm"), *args], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    return result.stdout
+
+
+def render(*overrides: str) -> list[dict[str, Any]]:
+    args = [arg for override in overrides for arg in ("--set", override)]
+    return [d for d in yaml.safe_load_all(helm("template", "tpujob", str(CHART), *args)) if d]
+
+
+def test_chart_lints_clean():
+    assert "0 chart(s) failed" in helm("lint", "--strict", str(CHART))
+
+
+def test_chart_crd_is_the_generated_one():
+    generated = (CHART.parents[1] / "crds" / "trainingjob.yaml").read_text()
+    assert (CHART / "crds" / "trainingjob.yaml").read_text() == generated
+
+
+def test_cluster_role_is_least_privilege():
+    [role] = [d for d in render() if d["kind"] == "ClusterRole"]
+    resources = {r for rule in role["rules"] for r in rule["resources"]}
+    verbs = {v for rule in role["rules"] for v in rule["verbs"]}
+    assert "*" not in resources and "*" not in verbs
+    assert "secrets" not in resources and "namespaces" not in resources
+    assert resources == {
+        "trainingjobs",
+        "trainingjobs/status",
+        "jobsets",
+        "pods",
+        "events",
+        "customresourcedefinitions",
+    }
+    pod_rule = next(rule for rule in role["rules"] if rule["resources"] == ["pods"])
+    assert pod_rule["verbs"] == ["list"]
+    # Watching a namespace list adds only read access to namespaces.
+    [scoped] = [d for d in render("watchNamespaces={ml,research}") if d["kind"] == "ClusterRole"]
+    assert {"list", "watch"} == {v for r in scoped["rules"] if "namespaces" in r["resources"] for v in r["verbs"]}
+
+
+def test_workload_identity_annotation_and_single_replica():
+    docs = render("serviceAccount.annotations.iam\\.gke\\.io/gcp-service-account=op@p.iam.gserviceaccount.com")
+    [account] = [d for d in docs if d["kind"] == "ServiceAccount"]
+    assert account["metadata"]["annotations"] == {"iam.gke.io/gcp-service-account": "op@p.iam.gserviceaccount.com"}
+    [deployment] = [d for d in docs if d["kind"] == "Deployment"]
+    assert deployment["spec"]["replicas"] == 1 and deployment["spec"]["strategy"]["type"] == "Recreate"
+    container = deployment["spec"]["template"]["spec"]["containers"][0]
+    assert container["livenessProbe"]["httpGet"]["path"] == "/healthz"
+    assert container["securityContext"]["readOnlyRootFilesystem"] is True
+
+
+def test_helm_install_creates_accepted_objects(control_plane, kube, namespace):
+    helm(
+        "install",
+        "tpujob",
+        str(CHART),
+        "--namespace",
+        namespace,
+        "--kubeconfig",
+        str(control_plane.kubeconfig),
+        "--set",
+        "watchNamespaces={" + namespace + "}",
+    )
+    deployment = client.AppsV1Api(kube).read_namespaced_deployment("tpujob", namespace)
+    assert deployment.spec.template.spec.service_account_name == "tpujob"
+    client.CoreV1Api(kube).read_namespaced_service_account("tpujob", namespace)
+    role = client.RbacAuthorizationV1Api(kube).read_cluster_role("tpujob")
+    assert any("jobsets" in (rule.resources or []) for rule in role.rules)
+    binding = client.RbacAuthorizationV1Api(kube).read_cluster_role_binding("tpujob")
+    assert binding.subjects[0].namespace == namespace
+    # The Deployment controller (in kube-controller-manager) accepted it and made a ReplicaSet.
+    eventually(lambda: client.AppsV1Api(kube).list_namespaced_replica_set(namespace).items, what="ReplicaSet")
+    helm("uninstall", "tpujob", "--namespace", namespace, "--kubeconfig", str(control_plane.kubeconfig))
