@@ -78,6 +78,17 @@ GO
   (cd "$dir" && go mod tidy >/dev/null)
 }
 
+# `go install module@version` asks the proxy for the module's version list (to check deprecation),
+# which the proxy refuses for some modules; a one-line wrapper module needs only that exact version.
+module_wrapper() {
+  local name="$1" module="$2" version="$3" package="$4" dir="$SRC/$1"
+  [ -f "$dir/go.sum" ] && return 0
+  mkdir -p "$dir"
+  printf 'module tpujob.dev/devcluster/%s\ngo 1.25\nrequire %s %s\n' "$name" "$module" "$version" > "$dir/go.mod"
+  printf '//go:build tools\n\npackage tools\n\nimport _ "%s"\n' "$package" > "$dir/tools.go"
+  (cd "$dir" && go mod tidy >/dev/null)
+}
+
 ldflags_k8s() {
   local pkg="k8s.io/component-base/version"
   local minor="${K8S_VERSION#v1.}"; minor="${minor%%.*}"
@@ -97,11 +108,11 @@ build_one() {
       etcd_wrapper
       (cd "$SRC/etcd" && go build -trimpath -ldflags "-s -w" -o "$BIN/$name.tmp" .) ;;
     jobset)
-      GOBIN="$BIN/.gobin" go install -trimpath -ldflags "-s -w" "sigs.k8s.io/jobset@${JOBSET_VERSION}"
-      mv "$BIN/.gobin/jobset" "$BIN/$name.tmp" ;;
+      module_wrapper jobset sigs.k8s.io/jobset "$JOBSET_VERSION" sigs.k8s.io/jobset
+      (cd "$SRC/jobset" && go build -trimpath -ldflags "-s -w" -o "$BIN/$name.tmp" sigs.k8s.io/jobset) ;;
     kwok)
-      GOBIN="$BIN/.gobin" go install -trimpath -ldflags "-s -w" "sigs.k8s.io/kwok/cmd/kwok@${KWOK_VERSION}"
-      mv "$BIN/.gobin/kwok" "$BIN/$name.tmp" ;;
+      module_wrapper kwok sigs.k8s.io/kwok "$KWOK_VERSION" sigs.k8s.io/kwok/cmd/kwok
+      (cd "$SRC/kwok" && go build -trimpath -ldflags "-s -w" -o "$BIN/$name.tmp" sigs.k8s.io/kwok/cmd/kwok) ;;
     *) log "unknown component $name"; return 1 ;;
   esac
   mv "$BIN/$name.tmp" "$BIN/$name"
@@ -109,10 +120,11 @@ build_one() {
 }
 
 for c in $COMPONENTS; do build_one "$c"; done
-# The JobSet CRD ships in the JobSet module: copy it next to the binaries.
-if [ ! -f "$BIN/jobset-crd.yaml" ]; then
+# The JobSet CRD and webhook configurations ship in the JobSet module: copy them next to the binaries.
+if [ ! -f "$BIN/jobset-crd.yaml" ] || [ ! -f "$BIN/jobset-webhooks.yaml" ]; then
   (cd "$SRC" && go mod download -json "sigs.k8s.io/jobset@${JOBSET_VERSION}" >/dev/null)
-  cp "$GOMODCACHE/sigs.k8s.io/jobset@${JOBSET_VERSION}/config/components/crd/bases/jobset.x-k8s.io_jobsets.yaml" "$BIN/jobset-crd.yaml"
-  chmod u+w "$BIN/jobset-crd.yaml"
+  jobset_dir="$GOMODCACHE/sigs.k8s.io/jobset@${JOBSET_VERSION}/config/components"
+  install -m 0644 "$jobset_dir/crd/bases/jobset.x-k8s.io_jobsets.yaml" "$BIN/jobset-crd.yaml"
+  install -m 0644 "$jobset_dir/webhook/manifests.yaml" "$BIN/jobset-webhooks.yaml"
 fi
 echo "$BIN"

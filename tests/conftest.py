@@ -8,6 +8,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from kubernetes.config import kube_config
 from tpujob_devcluster.controlplane import ControlPlane, build_binaries
 from tpujob_devcluster.fakegcs import FakeGcsServer, start_fake_gcs
 
@@ -24,6 +25,8 @@ def control_plane(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ControlP
         plane.apply_crd(bin_dir / "jobset-crd.yaml")
         plane.apply_crd(REPO / "crds" / "trainingjob.yaml")
         os.environ["KUBECONFIG"] = str(plane.kubeconfig)
+        # The kubernetes client reads KUBECONFIG once, at import; the in-process operator needs this one.
+        kube_config.KUBE_CONFIG_DEFAULT_LOCATION = str(plane.kubeconfig)
         yield plane
     finally:
         plane.stop()

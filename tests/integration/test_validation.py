@@ -98,15 +98,14 @@ def test_tpu_cannot_change_after_creation(kube, namespace):
     )
 
 
-def test_printer_columns_come_back_from_the_apiserver(kube, namespace):
+def test_printer_columns_come_back_from_the_apiserver(kube, control_plane, namespace):
     _create(kube, namespace, training_job_manifest("cols"))
-    table = kube.call_api(
-        f"/apis/{api.GROUP}/{api.VERSION}/namespaces/{namespace}/{api.PLURAL}",
+    code, table = control_plane.request(
         "GET",
-        header_params={"Accept": "application/json;as=Table;v=v1;g=meta.k8s.io"},
-        response_type="object",
-        _return_http_data_only=True,
+        f"/apis/{api.GROUP}/{api.VERSION}/namespaces/{namespace}/{api.PLURAL}",
+        accept="application/json;as=Table;v=v1;g=meta.k8s.io",
     )
+    assert code == 200, table
     assert [c["name"] for c in table["columnDefinitions"]] == ["Name", "Phase", "Step", "Checkpoint", "Restarts", "Age"]
 
 

@@ -71,6 +71,23 @@ def _name(common_name: str, organization: str | None = None) -> x509.Name:
     return x509.Name(attributes)
 
 
+def issue_serving_cert(pki: PkiFiles, directory: Path, common_name: str) -> tuple[Path, Path]:
+    """A serving certificate for 127.0.0.1/localhost signed by the devcluster CA (for webhooks)."""
+    cert_path, key_path = directory / "tls.crt", directory / "tls.key"
+    if cert_path.exists() and key_path.exists():
+        return cert_path, key_path
+    directory.mkdir(parents=True, exist_ok=True)
+    ca_key = serialization.load_pem_private_key(pki.ca_key.read_bytes(), password=None)
+    ca_cert = x509.load_pem_x509_certificate(pki.ca_cert.read_bytes())
+    assert isinstance(ca_key, rsa.RSAPrivateKey)
+    key = _key()
+    sans: list[x509.GeneralName] = [x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]
+    cert = _cert(_name(common_name), key, ca_cert.subject, ca_key, ca=False, sans=sans)
+    cert_path.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    _write_key(key_path, key)
+    return cert_path, key_path
+
+
 def make_pki(directory: Path) -> PkiFiles:
     """Create the files once; reuse them when they exist (so `make up` is idempotent)."""
     directory.mkdir(parents=True, exist_ok=True)

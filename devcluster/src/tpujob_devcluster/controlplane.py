@@ -143,11 +143,9 @@ class ControlPlane:
             ],
             logs / "etcd.log",
         )
-        self._launch(etcd)
-        self._wait(lambda: _http_ok(f"http://127.0.0.1:{self.etcd_port}/health"), etcd, timeout)
+        self.launch(etcd, lambda: http_ok(f"http://127.0.0.1:{self.etcd_port}/health"), timeout)
         apiserver = Component("kube-apiserver", self._apiserver_argv(), logs / "kube-apiserver.log")
-        self._launch(apiserver)
-        self._wait(lambda: self._api_ok("/readyz"), apiserver, timeout)
+        self.launch(apiserver, lambda: self.api_ok("/readyz"), timeout)
         kcm = Component(
             "kube-controller-manager",
             [
@@ -163,8 +161,7 @@ class ControlPlane:
             ],
             logs / "kube-controller-manager.log",
         )
-        self._launch(kcm)
-        self._wait(self._namespace_default_ready, kcm, timeout)
+        self.launch(kcm, self._namespace_default_ready, timeout)
         return self
 
     def _apiserver_argv(self) -> list[str]:
@@ -190,11 +187,10 @@ class ControlPlane:
             "--v=1",
         ]
 
-    def _launch(self, component: Component) -> None:
+    def launch(self, component: Component, ready: Callable[[], bool], timeout: float = 120.0) -> None:
+        """Start a component and wait until `ready()`; fail fast, with its log, if it exits."""
         component.start()
         self.components.append(component)
-
-    def _wait(self, ready: Callable[[], bool], component: Component, timeout: float) -> None:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if not component.alive():
@@ -210,12 +206,12 @@ class ControlPlane:
         context.load_cert_chain(str(self.pki.admin_cert), str(self.pki.admin_key))
         return context
 
-    def _api_ok(self, path: str) -> bool:
-        return _http_ok(self.server + path, self.ssl_context())
+    def api_ok(self, path: str) -> bool:
+        return http_ok(self.server + path, self.ssl_context())
 
     def _namespace_default_ready(self) -> bool:
         # The service-account controller (in kube-controller-manager) has run once it made this.
-        return self._api_ok("/api/v1/namespaces/default/serviceaccounts/default")
+        return self.api_ok("/api/v1/namespaces/default/serviceaccounts/default")
 
     def _write_kubeconfig(self) -> None:
         assert self.pki is not None
@@ -264,11 +260,12 @@ class ControlPlane:
         if result[0] >= 300:
             raise ControlPlaneError(f"applying {what} failed: HTTP {result[0]}: {result[1].get('message')}")
 
-    def request(self, method: str, path: str, body: object | None = None) -> tuple[int, dict[str, Any]]:
+    def request(
+        self, method: str, path: str, body: object | None = None, accept: str = "application/json"
+    ) -> tuple[int, dict[str, Any]]:
         data = json.dumps(body).encode() if body is not None else None
-        request = urllib.request.Request(
-            self.server + path, data=data, method=method, headers={"Content-Type": "application/json"}
-        )
+        headers = {"Content-Type": "application/json", "Accept": accept}
+        request = urllib.request.Request(self.server + path, data=data, method=method, headers=headers)
         try:
             with urllib.request.urlopen(request, context=self.ssl_context(), timeout=30) as response:
                 return response.status, json.loads(response.read() or b"{}")
@@ -281,7 +278,7 @@ class ControlPlane:
         self.components.clear()
 
 
-def _http_ok(url: str, context: ssl.SSLContext | None = None) -> bool:
+def http_ok(url: str, context: ssl.SSLContext | None = None) -> bool:
     try:
         with urllib.request.urlopen(url, context=context, timeout=2) as response:
             return bool(response.status == 200)
