@@ -60,6 +60,10 @@ class FakeGcsServer:
         self.log_path = log_path
 
     @property
+    def pid(self) -> int:
+        return self._process.pid
+
+    @property
     def endpoint(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
@@ -71,6 +75,7 @@ class FakeGcsServer:
         would probe the GCE metadata server. gcsfs would do the same through google.auth, so it is
         told to connect anonymously (fsspec reads FSSPEC_<protocol>_<kwarg>), and any metadata
         lookup that still happens is pointed at a closed loopback port: no traffic leaves 127.0.0.1.
+        Set these before `fsspec`/`gcsfs` are imported (they read them at import time).
         """
         return {
             "STORAGE_EMULATOR_HOST": self.endpoint,
@@ -80,6 +85,9 @@ class FakeGcsServer:
             "GOOGLE_CLOUD_PROJECT": project,
             "FSSPEC_GS_TOKEN": "anon",
             "FSSPEC_GCS_TOKEN": "anon",
+            # gcsfs>=2026 otherwise asks the gRPC Storage Control API (which the emulator lacks,
+            # and which it reaches over TLS) for the bucket layout, and waits 60 s per bucket.
+            "GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT": "false",
             "NO_GCE_CHECK": "true",
             "GCE_METADATA_HOST": "127.0.0.1:9",
             "GCE_METADATA_IP": "127.0.0.1:9",
