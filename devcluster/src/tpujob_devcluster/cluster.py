@@ -1,0 +1,327 @@
+"""The local simulated GKE TPU cluster: the control plane plus kube-scheduler, the JobSet controller
+(with its webhooks served locally), kwok for node objects and heartbeats, TPU node pools labelled as
+GKE labels them, the GCS emulator with a bucket, and the pod runner.
+
+`make up` / `make down` drive it through `python -m tpujob_devcluster`; the e2e tests use it
+directly. Everything listens on 127.0.0.1 only.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+import os
+import signal
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from .certs import issue_serving_cert
+from .controlplane import REPO_ROOT, Component, ControlPlane, build_binaries, free_port, http_ok
+from .fakegcs import FakeGcsServer, start_fake_gcs
+from .podrunner import NODE_LABEL
+
+DEFAULT_STATE_DIR = REPO_ROOT / ".devcluster"
+POOLS_FILE = REPO_ROOT / "devcluster" / "pools.yaml"
+IMAGES_FILE = REPO_ROOT / "devcluster" / "images.yaml"
+BUCKET = "tpujob-demo"
+TPU_CHIPS_PER_HOST = {"tpu-v5p-slice": 4, "tpu-v4-podslice": 4, "tpu-v5-lite-podslice": 4, "tpu-v6e-slice": 4}
+# kwok must keep nodes alive but leave pods to the pod runner: one Pod stage that matches nothing
+# replaces kwok's default pod stages (kwok uses its defaults only for kinds with no stage at all).
+KWOK_CONFIG = """\
+apiVersion: kwok.x-k8s.io/v1alpha1
+kind: Stage
+metadata:
+  name: pods-belong-to-the-pod-runner
+spec:
+  resourceRef: {apiGroup: v1, kind: Pod}
+  selector:
+    matchLabels: {tpujob.dev/never: "kwok"}
+  next: {}
+"""
+
+
+@dataclass(frozen=True)
+class Pool:
+    name: str
+    accelerator: str
+    topology: str
+
+    @property
+    def hosts(self) -> int:
+        chips = math.prod(int(d) for d in self.topology.split("x"))
+        per_host = TPU_CHIPS_PER_HOST[self.accelerator]
+        return max(1, chips // per_host)
+
+
+def load_pools(path: Path = POOLS_FILE) -> tuple[list[Pool], int]:
+    raw = yaml.safe_load(path.read_text())
+    return [Pool(p["name"], p["accelerator"], p["topology"]) for p in raw["pools"]], int(raw.get("system_nodes", 1))
+
+
+def node_manifests(pools: list[Pool], system_nodes: int) -> list[dict[str, Any]]:
+    """Node objects as GKE TPU node pools present them: one node per TPU host."""
+    nodes = []
+    for pool in pools:
+        for index in range(pool.hosts):
+            nodes.append(
+                _node(
+                    f"gke-{pool.name}-{index}",
+                    {
+                        "cloud.google.com/gke-nodepool": pool.name,
+                        "cloud.google.com/gke-tpu-accelerator": pool.accelerator,
+                        "cloud.google.com/gke-tpu-topology": pool.topology,
+                    },
+                    {"google.com/tpu": str(TPU_CHIPS_PER_HOST[pool.accelerator])},
+                    [{"key": "google.com/tpu", "value": "present", "effect": "NoSchedule"}],
+                )
+            )
+    for index in range(system_nodes):
+        nodes.append(_node(f"gke-system-{index}", {"cloud.google.com/gke-nodepool": "system"}, {}, []))
+    return nodes
+
+
+def _node(name: str, labels: dict[str, str], extra: dict[str, str], taints: list[dict[str, str]]) -> dict[str, Any]:
+    capacity = {"cpu": "16", "memory": "64Gi", "pods": "110", **extra}
+    return {
+        "apiVersion": "v1",
+        "kind": "Node",
+        "metadata": {
+            "name": name,
+            "labels": {
+                NODE_LABEL: "true",
+                "kubernetes.io/hostname": name,
+                "kubernetes.io/os": "linux",
+                "type": "kwok",
+                **labels,
+            },
+            "annotations": {"kwok.x-k8s.io/node": "fake", "node.alpha.kubernetes.io/ttl": "0"},
+        },
+        "spec": {"taints": taints},
+        "status": {"capacity": capacity, "allocatable": capacity},
+    }
+
+
+def jobset_webhooks(bin_dir: Path, port: int, ca_bundle: str) -> list[dict[str, Any]]:
+    """JobSet's webhook configurations from its module, pointed at the locally served webhooks.
+    The pod webhooks get JobSet's own objectSelector (only pods of a JobSet)."""
+    docs = [d for d in yaml.safe_load_all((bin_dir / "jobset-webhooks.yaml").read_text()) if d]
+    result = []
+    for doc in docs:
+        doc = copy.deepcopy(doc)
+        doc["metadata"]["name"] = f"jobset-{doc['metadata']['name']}"
+        for hook in doc["webhooks"]:
+            path = hook["clientConfig"]["service"]["path"]
+            hook["clientConfig"] = {"url": f"https://127.0.0.1:{port}{path}", "caBundle": ca_bundle}
+            if "pod" in hook["name"]:
+                hook["objectSelector"] = {
+                    "matchExpressions": [{"key": "jobset.sigs.k8s.io/jobset-name", "operator": "Exists"}]
+                }
+        result.append(doc)
+    return result
+
+
+class DevCluster:
+    def __init__(self, state_dir: Path = DEFAULT_STATE_DIR, pools_file: Path = POOLS_FILE) -> None:
+        self.state_dir = state_dir
+        self.pools, self.system_nodes = load_pools(pools_file)
+        self.bin_dir = build_binaries()
+        self.plane = ControlPlane(workdir=state_dir, bin_dir=self.bin_dir, service_account_admission=True)
+        self.gcs: FakeGcsServer | None = None
+
+    @property
+    def kubeconfig(self) -> Path:
+        return self.plane.kubeconfig
+
+    @property
+    def logs(self) -> Path:
+        return self.state_dir / "logs"
+
+    def start(self, timeout: float = 180.0) -> DevCluster:
+        self.state_dir.mkdir(parents=True, exist_ok=True)
+        self.plane.start(timeout)
+        self.plane.apply_crd(self.bin_dir / "jobset-crd.yaml")
+        self.plane.apply_crd(REPO_ROOT / "crds" / "trainingjob.yaml")
+        self._start_scheduler(timeout)
+        self._start_jobset(timeout)
+        self._start_kwok_and_nodes(timeout)
+        self.gcs = start_fake_gcs(self.state_dir / "gcs")
+        self.gcs.create_bucket(BUCKET)
+        self._start_pod_runner(timeout)
+        self._write_state()
+        return self
+
+    def _component(self, name: str, argv: list[str]) -> Component:
+        return Component(name, argv, self.logs / f"{name}.log")
+
+    def _start_scheduler(self, timeout: float) -> None:
+        scheduler = self._component(
+            "kube-scheduler",
+            [
+                str(self.bin_dir / "kube-scheduler"),
+                f"--kubeconfig={self.kubeconfig}",
+                "--leader-elect=false",
+                "--secure-port=0",
+                "--v=1",
+            ],
+        )
+        self.plane.launch(scheduler, lambda: self.plane.api_ok("/api/v1/namespaces/default"), timeout)
+
+    def _start_jobset(self, timeout: float) -> None:
+        assert self.plane.pki is not None
+        webhook_port, health_port = free_port(), free_port()
+        cert_dir = self.state_dir / "jobset-webhook"
+        issue_serving_cert(self.plane.pki, cert_dir, "jobset-webhook")
+        config_file = self.state_dir / "jobset-config.yaml"
+        config_file.write_text(
+            yaml.safe_dump(
+                {
+                    "apiVersion": "config.jobset.x-k8s.io/v1alpha1",
+                    "kind": "Configuration",
+                    "leaderElection": {"leaderElect": False},
+                    "internalCertManagement": {"enable": False},
+                    "webhook": {"port": webhook_port, "host": "127.0.0.1", "certDir": str(cert_dir)},
+                    "metrics": {"bindAddress": "0"},
+                    "health": {"healthProbeBindAddress": f"127.0.0.1:{health_port}"},
+                }
+            )
+        )
+        jobset = self._component(
+            "jobset-controller",
+            [
+                str(self.bin_dir / "jobset"),
+                f"--config={config_file}",
+                f"--kubeconfig={self.kubeconfig}",
+                "--zap-log-level=info",
+            ],
+        )
+        self.plane.launch(jobset, lambda: http_ok(f"http://127.0.0.1:{health_port}/readyz"), timeout)
+        ca_bundle = __import__("base64").b64encode(self.plane.pki.ca_cert.read_bytes()).decode()
+        for config in jobset_webhooks(self.bin_dir, webhook_port, ca_bundle):
+            kind = config["kind"].lower() + "s"
+            base = f"/apis/admissionregistration.k8s.io/v1/{kind}"
+            self.plane.request("DELETE", f"{base}/{config['metadata']['name']}")
+            code, body = self.plane.request("POST", base, config)
+            if code >= 300:
+                raise RuntimeError(f"registering {config['metadata']['name']}: {body.get('message')}")
+
+    def _start_kwok_and_nodes(self, timeout: float) -> None:
+        config_file = self.state_dir / "kwok.yaml"
+        config_file.write_text(KWOK_CONFIG)
+        kwok = self._component(
+            "kwok",
+            [
+                str(self.bin_dir / "kwok"),
+                f"--kubeconfig={self.kubeconfig}",
+                f"--config={config_file}",
+                f"--manage-nodes-with-label-selector={NODE_LABEL}",
+                "--node-ip=127.0.0.1",
+                f"--server-address=127.0.0.1:{free_port()}",
+                "--node-lease-duration-seconds=40",
+            ],
+        )
+        self.plane.launch(kwok, lambda: True, timeout)
+        for node in node_manifests(self.pools, self.system_nodes):
+            code, body = self.plane.request("POST", "/api/v1/nodes", node)
+            if code == 409:
+                continue
+            if code >= 300:
+                raise RuntimeError(f"creating node {node['metadata']['name']}: {body.get('message')}")
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            _, nodes = self.plane.request("GET", f"/api/v1/nodes?labelSelector={NODE_LABEL}")
+            ready = [
+                n
+                for n in nodes["items"]
+                if any(
+                    c["type"] == "Ready" and c["status"] == "True"
+                    for c in (n.get("status") or {}).get("conditions") or []
+                )
+            ]
+            if len(ready) == len(nodes["items"]) > 0:
+                return
+            time.sleep(0.5)
+        raise RuntimeError("kwok did not make the nodes Ready")
+
+    def _start_pod_runner(self, timeout: float) -> None:
+        assert self.gcs is not None
+        env_args = [f"--env={k}={v}" for k, v in self.gcs.env().items()]
+        runner = self._component(
+            "pod-runner",
+            [
+                sys.executable,
+                "-m",
+                "tpujob_devcluster.podrunner",
+                f"--kubeconfig={self.kubeconfig}",
+                f"--state-dir={self.state_dir}",
+                f"--images={IMAGES_FILE}",
+                f"--api-port={self.plane.api_port}",
+                *env_args,
+            ],
+        )
+        self.plane.launch(runner, lambda: True, timeout)
+
+    def _write_state(self) -> None:
+        pids = {c.name: c.process.pid for c in self.plane.components if c.process is not None}
+        if self.gcs is not None:
+            pids["fake-gcs-server"] = self.gcs.pid
+        state = {
+            "pids": pids,
+            "kubeconfig": str(self.kubeconfig),
+            "logs": str(self.logs),
+            "gcs": self.gcs.endpoint if self.gcs else None,
+            "bucket": BUCKET,
+            "api": self.plane.server,
+        }
+        (self.state_dir / "state.json").write_text(json.dumps(state, indent=2))
+
+    def stop(self) -> None:
+        self.plane.stop()  # the pod runner stops its pods on SIGTERM
+        if self.gcs is not None:
+            self.gcs.stop()
+        (self.state_dir / "state.json").unlink(missing_ok=True)
+
+
+def read_state(state_dir: Path = DEFAULT_STATE_DIR) -> dict[str, Any] | None:
+    path = state_dir / "state.json"
+    return json.loads(path.read_text()) if path.exists() else None
+
+
+def stop_from_state(state_dir: Path = DEFAULT_STATE_DIR) -> list[str]:
+    """`make down`: stop what `make up` started (in reverse), then any pod process left behind."""
+    state = read_state(state_dir)
+    stopped = []
+    for name, pid in reversed(list((state or {}).get("pids", {}).items())):
+        if _kill_group(pid, grace=10):
+            stopped.append(name)
+    for pid_file in (state_dir / "pods").glob("*/*/pid") if (state_dir / "pods").exists() else []:
+        _kill_group(int(pid_file.read_text()), grace=0)
+        pid_file.unlink()
+    (state_dir / "state.json").unlink(missing_ok=True)
+    return stopped
+
+
+def _kill_group(pid: int, grace: float) -> bool:
+    """SIGTERM the process group led by `pid` (or the lone process), SIGKILL after `grace` seconds."""
+
+    def send(sig: int) -> bool:
+        for kill in (os.killpg, os.kill):
+            try:
+                kill(pid, sig)
+                return True
+            except ProcessLookupError:
+                continue
+        return False
+
+    if not send(signal.SIGTERM):
+        return False
+    deadline = time.monotonic() + grace
+    while time.monotonic() < deadline and send(0):
+        time.sleep(0.1)
+    send(signal.SIGKILL)
+    return True

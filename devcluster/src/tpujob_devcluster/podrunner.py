@@ -1,0 +1,422 @@
+"""Pod runner: the devcluster's stand-in for kubelet + container runtime, on kwok's TPU nodes.
+
+A pod bound to one of the devcluster's nodes runs as a local process:
+- its image is mapped to a local entrypoint through devcluster/images.yaml;
+- its env is the pod's env with downward-API fields resolved, plus the devcluster's stand-ins for
+  the cloud (the GCS emulator) and for TPU chips (google.com/tpu: N -> N CPU devices for JAX);
+- isolation: each pod gets its own loopback address (127.x.y.z), its own UTS namespace (hostname)
+  and mount namespace, in which /etc/hosts is the pod's subdomain's hosts file (the headless
+  Service's DNS on GKE) and the ServiceAccount token is mounted where in-cluster clients look.
+  Two jobs' pods bind the same ports on different addresses and never collide, and all traffic
+  stays on loopback. Network namespaces would isolate more, but would need routes to reach the
+  apiserver and the GCS emulator on the host's loopback;
+- status goes back to the API as kubelet reports it: Running with podIP, then Succeeded/Failed with
+  the real exit code (128+signal when killed); deleting the pod sends SIGTERM, then SIGKILL after
+  the grace period, as kubelet does.
+Logs: <state>/pods/<namespace>/<pod>/log (path printed by `make up`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import fnmatch
+import ipaddress
+import logging
+import os
+import re
+import shlex
+import signal
+import subprocess
+import sys
+import threading
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import yaml
+from kubernetes import client, config
+from kubernetes.client.exceptions import ApiException
+
+log = logging.getLogger("podrunner")
+NODE_LABEL = "tpujob.dev/devcluster-node"
+SA_MOUNT = "/var/run/secrets/kubernetes.io/serviceaccount"
+_FIELD_REF = re.compile(r"^metadata\.(labels|annotations)\['(.+)'\]$")
+
+
+def now() -> str:
+    return datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def load_image_table(path: Path) -> list[tuple[str, list[str]]]:
+    table = yaml.safe_load(path.read_text())["images"]
+    return [(entry["pattern"], list(entry["entrypoint"])) for entry in table]
+
+
+def container_argv(container: dict[str, Any], images: list[tuple[str, list[str]]], python: str) -> list[str]:
+    """Docker semantics: `command` replaces the image entrypoint, `args` follow it."""
+    if container.get("command"):
+        entrypoint = list(container["command"])
+    else:
+        found = next((entry for pattern, entry in images if fnmatch.fnmatch(container["image"], pattern)), None)
+        if found is None:
+            raise ValueError(f"image {container['image']!r} has no entry in the pod runner's image table")
+        entrypoint = [python if part == "{python}" else part for part in found]
+    return entrypoint + list(container.get("args") or [])
+
+
+def resolve_field_ref(pod: dict[str, Any], path: str) -> str:
+    meta, spec, status = pod["metadata"], pod["spec"], pod.get("status") or {}
+    simple = {
+        "metadata.name": meta.get("name"),
+        "metadata.namespace": meta.get("namespace"),
+        "metadata.uid": meta.get("uid"),
+        "spec.nodeName": spec.get("nodeName"),
+        "spec.serviceAccountName": spec.get("serviceAccountName"),
+        "status.podIP": status.get("podIP"),
+        "status.hostIP": status.get("hostIP"),
+    }
+    if path in simple:
+        return str(simple[path] or "")
+    match = _FIELD_REF.match(path)
+    if match:
+        return str((meta.get(match.group(1)) or {}).get(match.group(2), ""))
+    raise ValueError(f"unsupported fieldRef {path!r}")
+
+
+def container_env(pod: dict[str, Any], container: dict[str, Any], extra: dict[str, str]) -> dict[str, str]:
+    """Pod env resolved like kubelet does (later duplicates win), on top of the runner's extras."""
+    env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": "/tmp", **extra}
+    for item in container.get("env") or []:
+        if "value" in item:
+            env[item["name"]] = str(item["value"])
+        elif (source := item.get("valueFrom") or {}).get("fieldRef"):
+            env[item["name"]] = resolve_field_ref(pod, source["fieldRef"]["fieldPath"])
+        else:
+            raise ValueError(f"env {item['name']}: only value and fieldRef are supported by the pod runner")
+    return env
+
+
+def tpu_chips(container: dict[str, Any]) -> int:
+    limits = (container.get("resources") or {}).get("limits") or {}
+    return int(limits.get("google.com/tpu", 0))
+
+
+@dataclass
+class RunningPod:
+    uid: str
+    namespace: str
+    name: str
+    ip: str
+    directory: Path
+    process: subprocess.Popen[bytes]
+    started_at: str
+    hosts_file: Path
+    hostname_fqdn: str
+    killed_for_deletion: bool = False
+    finished: bool = False
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+
+class AddressPool:
+    """Unique loopback addresses for pods: 127.1.0.1, 127.1.0.2, ... (127.0.0.1 stays the host's)."""
+
+    def __init__(self) -> None:
+        self._next = int(ipaddress.IPv4Address("127.1.0.1"))
+        self._lock = threading.Lock()
+
+    def take(self) -> str:
+        with self._lock:
+            address = ipaddress.IPv4Address(self._next)
+            self._next += 1
+            return str(address)
+
+
+class PodRunner:
+    def __init__(self, state_dir: Path, images: Path, extra_env: dict[str, str], api_port: int) -> None:
+        self.state_dir = state_dir
+        self.images = load_image_table(images)
+        self.extra_env = extra_env
+        self.api_port = api_port
+        self.core = client.CoreV1Api()
+        self.addresses = AddressPool()
+        self.pods: dict[str, RunningPod] = {}
+        self.hosts_lock = threading.Lock()
+        self.stopping = threading.Event()
+
+    # -- hosts files: the stand-in for the headless Service's DNS records -------------------------
+    def _hosts_path(self, namespace: str, subdomain: str | None, pod_name: str) -> Path:
+        key = f"{namespace}_{subdomain}" if subdomain else f"{namespace}_pod_{pod_name}"
+        return self.state_dir / "hosts" / key
+
+    def _add_host(self, path: Path, ip: str, names: list[str]) -> None:
+        with self.hosts_lock:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            lines = path.read_text().splitlines() if path.exists() else ["127.0.0.1 localhost"]
+            lines = [line for line in lines if not any(line.endswith(" " + n) or f" {n} " in line for n in names[:1])]
+            lines.append(f"{ip} {' '.join(names)}")
+            # Rewritten in place (not renamed): the file is bind-mounted by inode into running pods.
+            with path.open("r+" if path.exists() else "w") as handle:
+                handle.seek(0)
+                handle.write("\n".join(lines) + "\n")
+                handle.truncate()
+
+    # -- lifecycle ----------------------------------------------------------------------------------
+    def start_pod(self, pod: dict[str, Any]) -> None:
+        meta, spec = pod["metadata"], pod["spec"]
+        namespace, name, uid = meta["namespace"], meta["name"], meta["uid"]
+        container = spec["containers"][0]
+        directory = self.state_dir / "pods" / namespace / name
+        directory.mkdir(parents=True, exist_ok=True)
+        ip = self.addresses.take()
+        hostname = spec.get("hostname") or name
+        subdomain = spec.get("subdomain")
+        fqdn = f"{hostname}.{subdomain}.{namespace}.svc.cluster.local" if subdomain else hostname
+        names = [fqdn, f"{hostname}.{subdomain}", hostname] if subdomain else [hostname]
+        hosts_file = self._hosts_path(namespace, subdomain, name)
+        pod.setdefault("status", {})["podIP"] = ip
+        try:
+            argv = container_argv(container, self.images, sys.executable)
+            extra = {
+                **self.extra_env,
+                "HOSTNAME": hostname,
+                "KUBERNETES_SERVICE_HOST": "127.0.0.1",
+                "KUBERNETES_SERVICE_PORT": str(self.api_port),
+            }
+            chips = tpu_chips(container)
+            if chips:  # TPU chips of this host become CPU devices of this process
+                extra.update(JAX_PLATFORMS="cpu", XLA_FLAGS=f"--xla_force_host_platform_device_count={chips}")
+            env = container_env(pod, container, extra)
+            token_dir = self._service_account(pod, directory)
+        except (ValueError, ApiException) as error:
+            self._report(pod, "Failed", terminated={"exitCode": 128, "reason": "StartError", "message": str(error)})
+            log.warning("%s/%s cannot start: %s", namespace, name, getattr(error, "body", None) or error)
+            return
+        self._add_host(hosts_file, ip, names)
+        mounts = f"mount --bind {shlex.quote(str(hosts_file))} /etc/hosts"
+        if token_dir:
+            mounts += f" && mkdir -p {SA_MOUNT} && mount --bind {shlex.quote(str(token_dir))} {SA_MOUNT}"
+        script = f'hostname {shlex.quote(hostname)} && {mounts} && exec "$@"'
+        log_file = (directory / "log").open("ab")
+        process = subprocess.Popen(
+            ["unshare", "--mount", "--uts", "--propagation", "private", "--", "sh", "-c", script, "pod", *argv],
+            cwd=directory,
+            env=env,
+            stdout=log_file,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
+        )
+        log_file.close()
+        (directory / "pid").write_text(str(process.pid))
+        running = RunningPod(uid, namespace, name, ip, directory, process, now(), hosts_file, fqdn)
+        self.pods[uid] = running
+        self._report(pod, "Running", ip=ip, started_at=running.started_at)
+        log.info("started %s/%s as pid %d on %s (%s)", namespace, name, process.pid, ip, " ".join(argv[:4]))
+        threading.Thread(target=self._wait_for_exit, args=(running, pod), daemon=True).start()
+
+    def _service_account(self, pod: dict[str, Any], directory: Path) -> Path | None:
+        spec = pod["spec"]
+        if spec.get("automountServiceAccountToken") is False:
+            return None
+        account = spec.get("serviceAccountName") or "default"
+        request = {
+            "spec": {
+                "audiences": [],
+                "expirationSeconds": 86400,
+                "boundObjectRef": {
+                    "kind": "Pod",
+                    "apiVersion": "v1",
+                    "name": pod["metadata"]["name"],
+                    "uid": pod["metadata"]["uid"],
+                },
+            }
+        }
+        token = self.core.create_namespaced_service_account_token(account, pod["metadata"]["namespace"], request)
+        token_dir = directory / "serviceaccount"
+        token_dir.mkdir(exist_ok=True)
+        (token_dir / "token").write_text(token.status.token)
+        (token_dir / "namespace").write_text(pod["metadata"]["namespace"])
+        ca = Path(client.Configuration.get_default_copy().ssl_ca_cert or "")
+        (token_dir / "ca.crt").write_bytes(ca.read_bytes() if ca.is_file() else b"")
+        return token_dir
+
+    def _wait_for_exit(self, running: RunningPod, pod: dict[str, Any]) -> None:
+        code = running.process.wait()
+        exit_code = code if code >= 0 else 128 - code  # killed by signal N: 128+N, as runtimes report
+        with running.lock:
+            running.finished = True
+        terminated = {
+            "exitCode": exit_code,
+            "reason": "Completed" if exit_code == 0 else "Error",
+            "startedAt": running.started_at,
+            "finishedAt": now(),
+        }
+        log.info("%s/%s exited with %d", running.namespace, running.name, exit_code)
+        if running.killed_for_deletion:
+            self._finish_deletion(running, terminated)
+            return
+        self._report(pod, "Succeeded" if exit_code == 0 else "Failed", ip=running.ip, terminated=terminated)
+
+    def _finish_deletion(self, running: RunningPod, terminated: dict[str, Any]) -> None:
+        try:
+            self._patch_status(running.namespace, running.name, "Failed", running.ip, terminated=terminated)
+            self.core.delete_namespaced_pod(running.name, running.namespace, grace_period_seconds=0)
+        except ApiException as error:
+            if error.status != 404:
+                log.warning("finishing deletion of %s/%s: %s", running.namespace, running.name, error)
+        self.pods.pop(running.uid, None)
+
+    def delete_pod(self, running: RunningPod, grace_seconds: int) -> None:
+        """kubelet's graceful deletion: SIGTERM now, SIGKILL after the grace period."""
+        with running.lock:
+            if running.killed_for_deletion:
+                return
+            running.killed_for_deletion = True
+            if running.finished:
+                self._finish_deletion(running, {"exitCode": running.process.returncode or 0, "reason": "Completed"})
+                return
+        self._signal(running, signal.SIGTERM)
+
+        def escalate() -> None:
+            try:
+                running.process.wait(grace_seconds)
+            except subprocess.TimeoutExpired:
+                self._signal(running, signal.SIGKILL)
+
+        threading.Thread(target=escalate, daemon=True).start()
+
+    @staticmethod
+    def _signal(running: RunningPod, sig: signal.Signals) -> None:
+        try:
+            os.killpg(running.process.pid, sig)
+        except ProcessLookupError:
+            pass
+
+    # -- status reports ------------------------------------------------------------------------------
+    def _report(
+        self,
+        pod: dict[str, Any],
+        phase: str,
+        ip: str | None = None,
+        started_at: str | None = None,
+        terminated: dict[str, Any] | None = None,
+    ) -> None:
+        try:
+            self._patch_status(pod["metadata"]["namespace"], pod["metadata"]["name"], phase, ip, started_at, terminated)
+        except ApiException as error:
+            if error.status != 404:
+                log.warning("status of %s/%s: %s", pod["metadata"]["namespace"], pod["metadata"]["name"], error)
+
+    def _patch_status(
+        self,
+        namespace: str,
+        name: str,
+        phase: str,
+        ip: str | None,
+        started_at: str | None = None,
+        terminated: dict[str, Any] | None = None,
+    ) -> None:
+        ready = "True" if phase == "Running" else "False"
+        state = {"terminated": terminated} if terminated else {"running": {"startedAt": started_at or now()}}
+        status: dict[str, Any] = {
+            "phase": phase,
+            "hostIP": "127.0.0.1",
+            "conditions": [
+                {
+                    "type": t,
+                    "status": ready if t in ("Ready", "ContainersReady") else "True",
+                    "lastTransitionTime": now(),
+                }
+                for t in ("PodScheduled", "Initialized", "ContainersReady", "Ready")
+            ],
+            "containerStatuses": [
+                {
+                    "name": "trainer" if name else "",
+                    "ready": phase == "Running",
+                    "restartCount": 0,
+                    "image": "",
+                    "imageID": "",
+                    "started": phase == "Running",
+                    "state": state,
+                }
+            ],
+        }
+        if ip:
+            status.update(podIP=ip, podIPs=[{"ip": ip}])
+        if started_at:
+            status["startTime"] = started_at
+        pod = self.core.read_namespaced_pod(name, namespace)
+        status["containerStatuses"][0]["name"] = pod.spec.containers[0].name
+        status["containerStatuses"][0]["image"] = pod.spec.containers[0].image
+        self.core.patch_namespaced_pod_status(name, namespace, {"status": status})
+
+    # -- the loop ------------------------------------------------------------------------------------
+    def managed_nodes(self) -> set[str]:
+        nodes = self.core.list_node(label_selector=NODE_LABEL).items
+        return {n.metadata.name for n in nodes}
+
+    def sync_once(self) -> None:
+        nodes = self.managed_nodes()
+        listing = self.core.list_pod_for_all_namespaces(field_selector="spec.nodeName!=")
+        seen = set()
+        for item in listing.items:
+            pod = self.core.api_client.sanitize_for_serialization(item)
+            uid, meta = pod["metadata"]["uid"], pod["metadata"]
+            if pod["spec"].get("nodeName") not in nodes:
+                continue
+            seen.add(uid)
+            running = self.pods.get(uid)
+            if meta.get("deletionTimestamp"):
+                if running is not None:
+                    self.delete_pod(running, int(meta.get("deletionGracePeriodSeconds") or 30))
+                elif (pod.get("status") or {}).get("phase") in ("Succeeded", "Failed", None, "Pending"):
+                    self._force_delete(meta)
+                continue
+            if running is None and (pod.get("status") or {}).get("phase") in (None, "Pending"):
+                self.start_pod(pod)
+        for uid in [u for u in self.pods if u not in seen]:  # force-deleted in the API: stop the process
+            running = self.pods.pop(uid)
+            self._signal(running, signal.SIGKILL)
+
+    def _force_delete(self, meta: dict[str, Any]) -> None:
+        try:
+            self.core.delete_namespaced_pod(meta["name"], meta["namespace"], grace_period_seconds=0)
+        except ApiException as error:
+            if error.status != 404:
+                raise
+
+    def run(self, interval: float) -> None:
+        while not self.stopping.is_set():
+            try:
+                self.sync_once()
+            except Exception:  # the API may blip; the next pass retries everything
+                log.exception("sync failed")
+            self.stopping.wait(interval)
+        self.stop_all()
+
+    def stop_all(self) -> None:
+        for running in list(self.pods.values()):
+            self._signal(running, signal.SIGKILL)
+            running.process.wait()
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--kubeconfig", required=True)
+    parser.add_argument("--state-dir", type=Path, required=True)
+    parser.add_argument("--images", type=Path, required=True)
+    parser.add_argument("--api-port", type=int, required=True)
+    parser.add_argument("--env", action="append", default=[], help="KEY=VALUE added to every pod")
+    parser.add_argument("--interval", type=float, default=0.3)
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    config.load_kube_config(args.kubeconfig)
+    extra = dict(item.split("=", 1) for item in args.env)
+    runner = PodRunner(args.state_dir, args.images, extra, args.api_port)
+    signal.signal(signal.SIGTERM, lambda *_: runner.stopping.set())
+    runner.run(args.interval)
+
+
+if __name__ == "__main__":
+    main()
