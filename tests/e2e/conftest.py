@@ -1,0 +1,184 @@
+"""E2E tier: the whole loop on the devcluster (real scheduler, JobSet controller, kwok nodes, pod
+runner, GCS emulator), with the operator installed by its Helm chart and run as a pod.
+
+Stand-ins, named as such: the pod runner replaces kubelet + container runtime (pods run as local
+processes), kwok replaces node VMs, TPU chips are CPU devices, fake-gcs-server replaces GCS.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from google.auth.credentials import AnonymousCredentials
+from google.cloud import storage
+from kubernetes import client, config
+from tpujob_devcluster.cluster import BUCKET, DevCluster
+from tpujob_devcluster.controlplane import REPO_ROOT, free_port, tools_dir
+from tpujob_operator import api, checkpoints
+
+pytestmark = [pytest.mark.e2e, pytest.mark.slow]
+
+E2E_POOLS = {
+    # 2 jobs x 2 slices at once, plus a spare for a restart; v5e pools for the 1-host failure tests.
+    "pools": [{"name": f"v5p-{c}", "accelerator": "tpu-v5p-slice", "topology": "2x2x2"} for c in "abcde"]
+    + [{"name": f"v5e-{c}", "accelerator": "tpu-v5-lite-podslice", "topology": "2x2"} for c in "abc"],
+    "system_nodes": 1,
+}
+
+
+@pytest.fixture(scope="session")
+def devcluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DevCluster]:
+    state = tmp_path_factory.mktemp("devcluster")
+    pools = state / "pools.yaml"
+    pools.write_text(yaml.safe_dump(E2E_POOLS))
+    cluster = DevCluster(state, pools).start()
+    try:
+        subprocess.run(
+            [str(tools_dir() / "helm"), "install", "tpujob", str(REPO_ROOT / "charts" / "tpujob"),
+             "--namespace", "tpujob-system", "--create-namespace", "--kubeconfig", str(cluster.kubeconfig),
+             "--set", "image.repository=tpujob-operator", "--set", "image.tag=dev",
+             "--set", f"livenessPort={free_port()}", "--wait", "--timeout", "3m"],
+            check=True, capture_output=True, text=True,
+        )  # fmt: skip
+        yield cluster
+    finally:
+        cluster.stop()
+
+
+class E2E:
+    """Test-side view of the devcluster: the API, the bucket, the pod processes."""
+
+    def __init__(self, cluster: DevCluster, namespace: str) -> None:
+        self.cluster = cluster
+        self.namespace = namespace
+        self.api = config.new_client_from_config(str(cluster.kubeconfig))
+        self.custom = client.CustomObjectsApi(self.api)
+        self.core = client.CoreV1Api(self.api)
+        self.batch = client.BatchV1Api(self.api)
+        assert cluster.gcs is not None
+        self.gcs = storage.Client(
+            project="e2e", credentials=AnonymousCredentials(), client_options={"api_endpoint": cluster.gcs.endpoint}
+        )
+
+    def apply(
+        self,
+        name: str,
+        steps: int,
+        accelerator: str = "tpu-v5p-slice",
+        topology: str = "2x2x2",
+        slices: int = 2,
+        extra_args: list[str] | None = None,
+        **spec: Any,
+    ) -> None:
+        manifest = {
+            "apiVersion": f"{api.GROUP}/{api.VERSION}", "kind": api.KIND, "metadata": {"name": name},
+            "spec": {
+                "image": "tpujob-trainer:dev",
+                "args": ["--model", "tiny", "--steps", str(steps), "--batch-size", "8", "--log-every", "10",
+                         *(extra_args or [])],
+                "tpu": {"accelerator": accelerator, "topology": topology, "slices": slices},
+                "checkpoint": {"directory": f"gs://{BUCKET}/e2e", "policy": "continuous"},
+                "restart": {"backoffSeconds": 1, **spec.pop("restart", {})},
+                **spec,
+            },
+        }  # fmt: skip
+        self.custom.create_namespaced_custom_object(api.GROUP, api.VERSION, self.namespace, api.PLURAL, manifest)
+
+    def status(self, name: str) -> dict[str, Any]:
+        body: Any = self.custom.get_namespaced_custom_object(api.GROUP, api.VERSION, self.namespace, api.PLURAL, name)
+        return body.get("status") or {}
+
+    def wait(self, name: str, predicate: Callable[[dict[str, Any]], bool], timeout: float, what: str) -> dict[str, Any]:
+        deadline = time.monotonic() + timeout
+        status: dict[str, Any] = {}
+        while time.monotonic() < deadline:
+            status = self.status(name)
+            if predicate(status):
+                return status
+            if status.get("phase") == "Failed" and "Failed" not in what:
+                break
+            time.sleep(0.5)
+        raise AssertionError(f"{name}: waiting for {what}; last status {status}\n{self.logs_tail(name)}")
+
+    @staticmethod
+    def until(probe: Callable[[], bool], timeout: float, what: str) -> None:
+        deadline = time.monotonic() + timeout
+        while not probe():
+            if time.monotonic() > deadline:
+                raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+            time.sleep(0.5)
+
+    def run_dir(self, name: str) -> str:
+        return f"gs://{BUCKET}/e2e/{self.namespace}/{name}"
+
+    def latest_committed(self, name: str) -> int | None:
+        return checkpoints.latest_committed_step(self.gcs, self.run_dir(name))
+
+    def progress(self, name: str) -> checkpoints.Progress | None:
+        return checkpoints.read_progress(self.gcs, self.run_dir(name))
+
+    def object_names(self, name: str) -> list[str]:
+        return [b.name for b in self.gcs.list_blobs(BUCKET, prefix=f"e2e/{self.namespace}/{name}/")]
+
+    def pods(self, selector: str = "") -> list[Any]:
+        return list(self.core.list_namespaced_pod(self.namespace, label_selector=selector).items)
+
+    def pod_dirs(self, name: str) -> list[Path]:
+        return sorted((self.cluster.state_dir / "pods" / self.namespace).glob(f"{name}-*"))
+
+    def trainer_pids(self, pod_name: str) -> list[int]:
+        """Processes of one pod: the pod runner starts each pod in its own process group."""
+        leader = int((self.cluster.state_dir / "pods" / self.namespace / pod_name / "pid").read_text())
+        return [p for p in _all_pids() if _pgid(p) == leader]
+
+    def signal_pod(self, pod_name: str, sig: signal.Signals) -> None:
+        for pid in self.trainer_pids(pod_name):
+            os.kill(pid, sig)
+
+    def running_pod(self, prefix: str) -> str:
+        for pod in self.pods():
+            if str(pod.metadata.name).startswith(prefix) and pod.status.phase == "Running":
+                return str(pod.metadata.name)
+        raise AssertionError(f"no running pod {prefix}*")
+
+    def logs_tail(self, name: str, lines: int = 15) -> str:
+        out = []
+        for directory in self.pod_dirs(name)[-4:]:
+            text = (directory / "log").read_text(errors="replace").splitlines() if (directory / "log").exists() else []
+            out.append(f"--- {directory.name}\n" + "\n".join(text[-lines:]))
+        return "\n".join(out)
+
+    def events(self, name: str) -> list[str]:
+        found = self.core.list_namespaced_event(self.namespace, field_selector=f"involvedObject.name={name}")
+        return [e.reason or "" for e in found.items]
+
+
+def _all_pids() -> list[int]:
+    return [int(d.name) for d in Path("/proc").iterdir() if d.name.isdigit()]
+
+
+def _pgid(pid: int) -> int | None:
+    try:
+        return os.getpgid(pid)
+    except ProcessLookupError:
+        return None
+
+
+@pytest.fixture
+def e2e(devcluster: DevCluster, unique_name: str) -> Iterator[E2E]:
+    view = E2E(devcluster, unique_name)
+    view.core.create_namespace(client.V1Namespace(metadata=client.V1ObjectMeta(name=unique_name)))
+    # The ServiceAccount admission plugin needs the namespace's default ServiceAccount first.
+    deadline = time.monotonic() + 30
+    while not view.core.list_namespaced_service_account(unique_name).items and time.monotonic() < deadline:
+        time.sleep(0.2)
+    yield view
+    view.core.delete_namespace(unique_name)

@@ -1,0 +1,78 @@
+"""Failure kinds on 1-host slices (v5e 2x2): what the operator concludes and does for each."""
+
+from __future__ import annotations
+
+import signal
+import time
+from typing import Any
+
+from kubernetes import client
+from tpujob_devcluster.cluster import Pool, node_manifests
+
+from .conftest import E2E
+
+V5E: dict[str, Any] = {"accelerator": "tpu-v5-lite-podslice", "topology": "2x2", "slices": 1}
+
+
+def _training(e2e: E2E, name: str) -> str:
+    e2e.wait(name, lambda s: s.get("phase") == "Running" and (s.get("step") or 0) > 0, 300, "training")
+    return e2e.running_pod(f"{name}-a0-slice-0-0")
+
+
+def test_process_exiting_non_zero_spends_the_budget_then_fails(e2e):
+    e2e.apply("badcfg", 10, extra_args=["--model", "no-such-model"], restart={"maxRestarts": 1}, **V5E)
+    status = e2e.wait("badcfg", lambda s: s.get("phase") == "Failed", 240, "phase Failed")
+    assert status["restarts"] == 1 and status["countedRestarts"] == 1
+    assert (status["lastFailure"]["kind"], status["lastFailure"]["reason"]) == ("ApplicationError", "ExitCode2")
+    failed = next(c for c in status["conditions"] if c["type"] == "Failed")
+    assert failed["reason"] == "RestartBudgetExhausted" and "1/1" in failed["message"]
+
+
+def test_killed_process_is_restarted_and_counted(e2e):
+    e2e.apply("killed", 60, **V5E)
+    e2e.signal_pod(_training(e2e, "killed"), signal.SIGKILL)
+    status = e2e.wait("killed", lambda s: s.get("phase") == "Succeeded", 300, "Succeeded")
+    assert (status["restarts"], status["countedRestarts"]) == (1, 1)
+    assert status["lastFailure"]["reason"] == "ExitCode137"
+
+
+def test_preemption_checkpoints_the_current_step_and_is_not_counted(e2e):
+    e2e.apply("preempted", 60, restart={"maxRestarts": 0}, **V5E)
+    pod = _training(e2e, "preempted")
+    # Eviction is how GKE drains a node for maintenance: DisruptionTarget, then SIGTERM with grace.
+    e2e.core.create_namespaced_pod_eviction(
+        pod, e2e.namespace, client.V1Eviction(metadata=client.V1ObjectMeta(name=pod, namespace=e2e.namespace))
+    )
+    status = e2e.wait("preempted", lambda s: s.get("phase") == "Succeeded", 300, "Succeeded")
+    failure = status["lastFailure"]
+    assert failure["kind"] == "Preemption" and failure["counted"] is False
+    assert status["countedRestarts"] == 0 and status["restarts"] == 1
+    # The SIGTERM save covered the step it was at: nothing reported before it was lost.
+    assert failure["resumeStep"] >= failure["step"] and failure["lostSteps"] == 0
+
+
+def test_lost_node_is_restarted_on_another_pool(e2e):
+    e2e.apply("nodelost", 60, **V5E)
+    pod = e2e.core.read_namespaced_pod(_training(e2e, "nodelost"), e2e.namespace)
+    node = e2e.core.read_node(pod.spec.node_name)
+    pool = node.metadata.labels["cloud.google.com/gke-nodepool"]
+    e2e.core.delete_node(node.metadata.name)
+    try:
+        status = e2e.wait("nodelost", lambda s: s.get("phase") == "Succeeded", 360, "Succeeded")
+        assert status["restarts"] == 1
+        assert status["lastFailure"]["kind"] == "NodeLost", status["lastFailure"]
+    finally:
+        [manifest] = [n for n in node_manifests([Pool(pool, V5E["accelerator"], V5E["topology"])], 0)]
+        e2e.core.create_node(manifest)
+
+
+def test_hung_process_is_restarted_after_the_hang_timeout(e2e):
+    e2e.apply("hung", 60, restart={"hangTimeoutSeconds": 45}, **V5E)
+    pod = _training(e2e, "hung")
+    stopped_at = time.monotonic()
+    e2e.signal_pod(pod, signal.SIGSTOP)  # alive, no progress
+    status = e2e.wait("hung", lambda s: s.get("attempt") == 1, 180, "the hang restart")
+    assert status["lastFailure"]["kind"] == "Hang" and status["lastFailure"]["counted"] is True
+    assert time.monotonic() - stopped_at >= 40
+    status = e2e.wait("hung", lambda s: s.get("phase") == "Succeeded", 300, "Succeeded")
+    assert status["restarts"] == 1
