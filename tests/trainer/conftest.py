@@ -1,0 +1,61 @@
+"""Fixtures for the trainer tests: one real fake-gcs-server per session, and real trainer processes.
+
+The emulator's environment is passed to the trainer subprocesses only; this test process never
+talks to gs:// itself except through the server's small HTTP helpers (list/upload/download).
+"""
+
+from __future__ import annotations
+
+import os
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from tpujob_devcluster.fakegcs import FakeGcsServer, start_fake_gcs
+
+from tests.trainer.procs import BUCKET, Job
+
+
+@pytest.fixture(scope="session")
+def gcs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[FakeGcsServer]:
+    server = start_fake_gcs(tmp_path_factory.mktemp("trainer-gcs") / "data")
+    try:
+        server.create_bucket(BUCKET)
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture(scope="session")
+def trainer_env(gcs: FakeGcsServer, tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+    """Environment of every trainer process: CPU JAX, the emulator, a shared compilation cache."""
+    cache = tmp_path_factory.mktemp("jax-cache")
+    return {
+        **os.environ,
+        **gcs.env(),
+        "JAX_PLATFORMS": "cpu",
+        "XLA_FLAGS": "--xla_force_host_platform_device_count=2",
+        # Every test starts fresh processes; the persistent cache saves recompiling the same step.
+        "JAX_COMPILATION_CACHE_DIR": str(cache),
+        "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
+        "PYTHONUNBUFFERED": "1",
+        "TPUJOB_PROGRESS_INTERVAL_SECONDS": "0.5",
+        "TPUJOB_STORAGE_TIMEOUT_SECONDS": "10",
+        "TPUJOB_LOG_EVERY": "1",
+    }
+
+
+@pytest.fixture
+def run_name() -> str:
+    return f"job-{uuid.uuid4().hex[:8]}"
+
+
+@pytest.fixture
+def job(gcs: FakeGcsServer, trainer_env: dict[str, str], tmp_path: Path, run_name: str) -> Iterator[Job]:
+    """A fresh run directory gs://BUCKET/tests/<name>; processes still running at teardown are killed."""
+    job = Job(gcs=gcs, base_env=trainer_env, log_dir=tmp_path, name=run_name)
+    try:
+        yield job
+    finally:
+        job.kill_all()

@@ -1,0 +1,184 @@
+"""Real trainer processes for the tests: launch 1..N processes of one attempt, watch, kill, inspect."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import IO, Any
+
+from tpujob_devcluster.fakegcs import FakeGcsServer
+
+BUCKET = "tpujob-trainer-tests"
+NAMESPACE = "tests"
+DIGEST = Path(__file__).with_name("digest.py")
+_STEP_LINE = re.compile(r"^step (\d+)/\d+ ", re.MULTILINE)
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+@dataclasses.dataclass
+class Attempt:
+    """The processes of one attempt (one pod per process in the real JobSet)."""
+
+    procs: list[subprocess.Popen[bytes]]
+    logs: list[Path]
+    files: list[IO[bytes]]
+
+    def output(self, index: int = 0) -> str:
+        return self.logs[index].read_text(errors="replace")
+
+    def last_step(self) -> int:
+        """The latest step that process 0 reported on its progress line (0 if none yet)."""
+        steps = _STEP_LINE.findall(self.output(0))
+        return int(steps[-1]) if steps else 0
+
+    def running(self) -> bool:
+        return any(p.poll() is None for p in self.procs)
+
+    def signal(self, sig: signal.Signals) -> None:
+        for p in self.procs:
+            if p.poll() is None:
+                p.send_signal(sig)
+
+    def wait(self, timeout: float) -> list[int]:
+        deadline = time.monotonic() + timeout
+        try:
+            codes = [p.wait(max(0.1, deadline - time.monotonic())) for p in self.procs]
+        except subprocess.TimeoutExpired:
+            self.signal(signal.SIGKILL)
+            raise AssertionError(f"trainer did not exit within {timeout}s; output:\n{self.output(0)[-4000:]}") from None
+        finally:
+            for f in self.files:
+                f.close()
+        return codes
+
+    def wait_until(self, predicate: Any, timeout: float, poll: float = 0.05) -> None:
+        deadline = time.monotonic() + timeout
+        while not predicate():
+            if not self.running():
+                raise AssertionError(f"trainer exited early; output:\n{self.output(0)[-4000:]}")
+            if time.monotonic() > deadline:
+                raise AssertionError(f"condition not met within {timeout}s; output:\n{self.output(0)[-4000:]}")
+            time.sleep(poll)
+
+
+@dataclasses.dataclass
+class Job:
+    """One TrainingJob's run directory on the emulator, and the attempts that train into it."""
+
+    gcs: FakeGcsServer
+    base_env: dict[str, str]
+    log_dir: Path
+    name: str
+    attempts: list[Attempt] = dataclasses.field(default_factory=list)
+
+    @property
+    def prefix(self) -> str:
+        return f"{NAMESPACE}/{self.name}"
+
+    @property
+    def run_dir(self) -> str:
+        return f"gs://{BUCKET}/{self.prefix}"
+
+    @property
+    def checkpoint_dir(self) -> str:
+        return f"{self.run_dir}/checkpoints"
+
+    def env(self, **overrides: str) -> dict[str, str]:
+        return {
+            **self.base_env,
+            "TPUJOB_RUN_DIR": self.run_dir,
+            "TPUJOB_NAME": self.name,
+            "TPUJOB_NAMESPACE": NAMESPACE,
+            "TPUJOB_ATTEMPT": str(len(self.attempts)),
+            **overrides,
+        }
+
+    def start(self, args: list[str], processes: int = 1, slices: int = 1, **env: str) -> Attempt:
+        """Launch one attempt: `processes` trainer processes laid out as `slices` equal slices."""
+        common = self.env(**env)
+        hosts_per_slice = processes // slices
+        if processes > 1:
+            common |= {
+                "TPUJOB_COORDINATOR_ADDRESS": f"127.0.0.1:{free_port()}",
+                "TPUJOB_NUM_SLICES": str(slices),
+                "TPUJOB_HOSTS_PER_SLICE": str(hosts_per_slice),
+            }
+        procs, logs, files = [], [], []
+        for index in range(processes):
+            log = self.log_dir / f"attempt{len(self.attempts)}-process{index}.log"
+            out = log.open("wb")
+            procs.append(
+                subprocess.Popen(
+                    [sys.executable, "-m", "tpujob_trainer", *args],
+                    env={
+                        **common,
+                        "TPUJOB_SLICE_ID": str(index // hosts_per_slice),
+                        "JOB_COMPLETION_INDEX": str(index % hosts_per_slice),
+                    },
+                    stdout=out,
+                    stderr=subprocess.STDOUT,
+                    stdin=subprocess.DEVNULL,
+                )
+            )
+            logs.append(log)
+            files.append(out)
+        attempt = Attempt(procs, logs, files)
+        self.attempts.append(attempt)
+        return attempt
+
+    def kill_all(self) -> None:
+        for attempt in self.attempts:
+            attempt.signal(signal.SIGKILL)
+            for p in attempt.procs:
+                p.wait()
+
+    def objects(self) -> list[str]:
+        return self.gcs.list_objects(BUCKET, f"{self.prefix}/checkpoints/")
+
+    def step_dirs(self) -> dict[int, bool]:
+        """{step: committed} for every step directory in the bucket (committed = has the marker)."""
+        dirs: dict[int, bool] = {}
+        for name in self.objects():
+            parts = name[len(self.prefix) + 1 :].split("/")
+            if len(parts) >= 3 and parts[1].isdigit():
+                step = int(parts[1])
+                dirs[step] = dirs.get(step, False) or parts[2:] == ["commit_success.txt"]
+        return dirs
+
+    def committed_steps(self) -> list[int]:
+        return sorted(step for step, done in self.step_dirs().items() if done)
+
+    def progress(self) -> dict[str, Any]:
+        record: dict[str, Any] = json.loads(self.gcs.download(BUCKET, f"{self.prefix}/progress.json"))
+        return record
+
+    def metadata(self, step: int) -> dict[str, Any]:
+        raw = self.gcs.download(BUCKET, f"{self.prefix}/checkpoints/{step}/_CHECKPOINT_METADATA")
+        record: dict[str, Any] = json.loads(raw)
+        return record
+
+    def digest(self, step: int) -> dict[str, str]:
+        """sha256 of every leaf of the checkpointed state at `step` (params, optimizer, step, data)."""
+        out = subprocess.run(
+            [sys.executable, str(DIGEST), self.checkpoint_dir, str(step)],
+            env=self.base_env,
+            capture_output=True,
+            text=True,
+            timeout=120,
+            check=True,
+        )
+        result: dict[str, str] = json.loads(out.stdout.strip().splitlines()[-1])
+        return result

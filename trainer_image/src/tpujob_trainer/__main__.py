@@ -1,0 +1,3 @@
+from tpujob_trainer.main import main
+
+raise SystemExit(main())

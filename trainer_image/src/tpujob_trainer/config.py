@@ -1,0 +1,237 @@
+"""The trainer's whole configuration, parsed from the command line and the environment.
+
+The operator's JobSet builder sets the TPUJOB_* environment (see README.md, "Contract"); users
+choose the model and schedule with flags or the same-named env fallbacks. Parsing is a pure
+function of (argv, env) so that every rule here is table-testable; invalid input raises
+ConfigError, which main() turns into exit code 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import math
+from collections.abc import Mapping, Sequence
+from typing import Literal
+
+
+class ConfigError(ValueError):
+    """The configuration is invalid (exit code 2)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    name: str
+    vocab_size: int
+    d_model: int
+    n_layers: int
+    n_heads: int
+    d_ff: int
+    max_seq_len: int
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.n_heads
+
+    def num_params(self) -> int:
+        per_layer = 4 * self.d_model * self.d_model + 3 * self.d_model * self.d_ff + 2 * self.d_model
+        return self.vocab_size * self.d_model + self.n_layers * per_layer + self.d_model
+
+
+# Llama-style shapes (RMSNorm, RoPE, SwiGLU, tied embeddings). `tiny` is for CPU tests (seconds);
+# `1b` is about 1.1e9 parameters, sized for one v5p/v6e host or more.
+MODELS: dict[str, ModelConfig] = {
+    m.name: m
+    for m in (
+        ModelConfig("tiny", vocab_size=256, d_model=64, n_layers=2, n_heads=4, d_ff=256, max_seq_len=512),
+        ModelConfig("small", vocab_size=4096, d_model=256, n_layers=4, n_heads=4, d_ff=1024, max_seq_len=1024),
+        ModelConfig("100m", vocab_size=32000, d_model=768, n_layers=12, n_heads=12, d_ff=2048, max_seq_len=2048),
+        ModelConfig("350m", vocab_size=32000, d_model=1024, n_layers=24, n_heads=16, d_ff=2816, max_seq_len=2048),
+        ModelConfig("1b", vocab_size=32000, d_model=2048, n_layers=18, n_heads=16, d_ff=5632, max_seq_len=4096),
+    )
+}
+
+Policy = Literal["continuous", "interval"]
+DType = Literal["auto", "float32", "bfloat16"]
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+    model: ModelConfig
+    steps: int
+    batch_size: int
+    seq_len: int
+    seed: int
+    log_every: int
+    learning_rate: float
+    warmup_steps: int
+    dtype: DType
+
+
+@dataclasses.dataclass(frozen=True)
+class CheckpointConfig:
+    policy: Policy
+    min_interval_seconds: float
+    interval_steps: int
+    async_save: bool
+    keep_latest: int
+    keep_every_steps: int
+    save_on_preemption: bool
+    resume_step: int  # -1: latest committed step, if any
+
+
+@dataclasses.dataclass(frozen=True)
+class Topology:
+    coordinator_address: str | None
+    process_id: int
+    num_processes: int
+    num_slices: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    train: TrainConfig
+    checkpoint: CheckpointConfig | None  # None: no TPUJOB_RUN_DIR, train without checkpoints
+    topology: Topology
+    run_dir: str | None
+    job_name: str
+    job_namespace: str
+    attempt: int
+    progress_interval_seconds: float
+    storage_timeout_seconds: float
+
+
+def _int(env: Mapping[str, str], name: str, default: int) -> int:
+    raw = env.get(name, "").strip()
+    if not raw:
+        return default
+    try:
+        return int(raw)
+    except ValueError:
+        raise ConfigError(f"{name}={raw!r} is not an integer") from None
+
+
+def _float(env: Mapping[str, str], name: str, default: float) -> float:
+    raw = env.get(name, "").strip()
+    if not raw:
+        return default
+    try:
+        value = float(raw)
+    except ValueError:
+        raise ConfigError(f"{name}={raw!r} is not a number") from None
+    if not math.isfinite(value):
+        raise ConfigError(f"{name}={raw!r} is not finite")
+    return value
+
+
+def _bool(env: Mapping[str, str], name: str, default: bool) -> bool:
+    raw = env.get(name, "").strip().lower()
+    if not raw:
+        return default
+    if raw in ("true", "1", "yes"):
+        return True
+    if raw in ("false", "0", "no"):
+        return False
+    raise ConfigError(f"{name}={raw!r} is not true/false")
+
+
+def _require(condition: bool, message: str) -> None:
+    if not condition:
+        raise ConfigError(message)
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # type: ignore[override]
+        # argparse would sys.exit(2) from inside parse_args; raise instead so parsing stays pure.
+        raise ConfigError(message)
+
+
+def _flag_parser(env: Mapping[str, str]) -> argparse.ArgumentParser:
+    p = _Parser(prog="tpujob-train", description="JAX LM trainer run by tpujob (see README.md).")
+    p.add_argument("--model", default=env.get("TPUJOB_MODEL", "tiny"), help=f"one of {sorted(MODELS)}")
+    p.add_argument("--steps", type=int, default=_int(env, "TPUJOB_STEPS", 100))
+    p.add_argument("--batch-size", type=int, default=_int(env, "TPUJOB_BATCH_SIZE", 8))
+    p.add_argument("--seq-len", type=int, default=_int(env, "TPUJOB_SEQ_LEN", 64))
+    p.add_argument("--seed", type=int, default=_int(env, "TPUJOB_SEED", 0))
+    p.add_argument("--log-every", type=int, default=_int(env, "TPUJOB_LOG_EVERY", 10))
+    p.add_argument("--learning-rate", type=float, default=_float(env, "TPUJOB_LEARNING_RATE", 3e-3))
+    p.add_argument("--warmup-steps", type=int, default=_int(env, "TPUJOB_WARMUP_STEPS", -1),
+                   help="default: 10%% of --steps")  # fmt: skip
+    p.add_argument("--dtype", default=env.get("TPUJOB_DTYPE", "auto"), choices=["auto", "float32", "bfloat16"],
+                   help="compute dtype; auto = bfloat16 on TPU/GPU, float32 on CPU")  # fmt: skip
+    return p
+
+
+def _train_config(args: argparse.Namespace) -> TrainConfig:
+    _require(args.model in MODELS, f"unknown model {args.model!r}; choose one of {sorted(MODELS)}")
+    model: ModelConfig = MODELS[args.model]
+    _require(args.steps > 0, f"steps must be > 0, got {args.steps}")
+    _require(args.batch_size > 0, f"batch size must be > 0, got {args.batch_size}")
+    _require(2 <= args.seq_len <= model.max_seq_len, f"seq len must be in [2, {model.max_seq_len}] for {model.name}")
+    _require(args.seed >= 0, f"seed must be >= 0, got {args.seed}")
+    _require(args.log_every > 0, f"log every must be > 0, got {args.log_every}")
+    _require(args.learning_rate > 0, f"learning rate must be > 0, got {args.learning_rate}")
+    warmup = args.warmup_steps if args.warmup_steps >= 0 else max(1, args.steps // 10)
+    _require(warmup < args.steps, f"warmup steps ({warmup}) must be < steps ({args.steps})")
+    return TrainConfig(
+        model=model, steps=args.steps, batch_size=args.batch_size, seq_len=args.seq_len, seed=args.seed,
+        log_every=args.log_every, learning_rate=args.learning_rate, warmup_steps=warmup, dtype=args.dtype,
+    )  # fmt: skip
+
+
+def _checkpoint_config(env: Mapping[str, str]) -> CheckpointConfig:
+    policy = env.get("TPUJOB_CHECKPOINT_POLICY", "continuous").strip() or "continuous"
+    _require(policy in ("continuous", "interval"), f"TPUJOB_CHECKPOINT_POLICY={policy!r}: want continuous|interval")
+    cfg = CheckpointConfig(
+        policy="continuous" if policy == "continuous" else "interval",
+        min_interval_seconds=_float(env, "TPUJOB_CHECKPOINT_MIN_INTERVAL_SECONDS", 0.0),
+        interval_steps=_int(env, "TPUJOB_CHECKPOINT_INTERVAL_STEPS", 100),
+        async_save=_bool(env, "TPUJOB_CHECKPOINT_ASYNC", True),
+        keep_latest=_int(env, "TPUJOB_CHECKPOINT_KEEP_LATEST", 3),
+        keep_every_steps=_int(env, "TPUJOB_CHECKPOINT_KEEP_EVERY_STEPS", 0),
+        save_on_preemption=_bool(env, "TPUJOB_CHECKPOINT_SAVE_ON_PREEMPTION", True),
+        resume_step=_int(env, "TPUJOB_RESUME_STEP", -1),
+    )
+    _require(cfg.min_interval_seconds >= 0, "TPUJOB_CHECKPOINT_MIN_INTERVAL_SECONDS must be >= 0")
+    _require(cfg.policy != "interval" or cfg.interval_steps > 0, "TPUJOB_CHECKPOINT_INTERVAL_STEPS must be > 0")
+    _require(cfg.keep_latest >= 1, "TPUJOB_CHECKPOINT_KEEP_LATEST must be >= 1")
+    _require(cfg.keep_every_steps >= 0, "TPUJOB_CHECKPOINT_KEEP_EVERY_STEPS must be >= 0")
+    _require(cfg.resume_step >= -1, "TPUJOB_RESUME_STEP must be -1 (latest) or a step >= 0")
+    return cfg
+
+
+def topology_from_env(env: Mapping[str, str]) -> Topology:
+    """process_id = slice_id * hosts_per_slice + JOB_COMPLETION_INDEX, unless overridden."""
+    num_slices = _int(env, "TPUJOB_NUM_SLICES", 1)
+    hosts_per_slice = _int(env, "TPUJOB_HOSTS_PER_SLICE", 1)
+    slice_id = _int(env, "TPUJOB_SLICE_ID", 0)
+    completion_index = _int(env, "JOB_COMPLETION_INDEX", 0)
+    _require(num_slices >= 1 and hosts_per_slice >= 1, "TPUJOB_NUM_SLICES and TPUJOB_HOSTS_PER_SLICE must be >= 1")
+    _require(0 <= slice_id < num_slices, f"TPUJOB_SLICE_ID={slice_id} not in [0, {num_slices})")
+    _require(
+        0 <= completion_index < hosts_per_slice, f"JOB_COMPLETION_INDEX={completion_index} >= {hosts_per_slice} hosts"
+    )
+    process_id = _int(env, "TPUJOB_PROCESS_ID", slice_id * hosts_per_slice + completion_index)
+    num_processes = _int(env, "TPUJOB_NUM_PROCESSES", num_slices * hosts_per_slice)
+    _require(0 <= process_id < num_processes, f"process id {process_id} not in [0, {num_processes})")
+    _require(num_processes % num_slices == 0, f"{num_processes} processes do not divide into {num_slices} slices")
+    coordinator = env.get("TPUJOB_COORDINATOR_ADDRESS", "").strip() or None
+    _require(num_processes == 1 or coordinator is not None, "TPUJOB_COORDINATOR_ADDRESS is required with >1 process")
+    return Topology(coordinator, process_id, num_processes, num_slices)
+
+
+def parse_config(argv: Sequence[str], env: Mapping[str, str]) -> Config:
+    """Build the configuration from command-line flags (first) and the environment (fallback)."""
+    args = _flag_parser(env).parse_args(list(argv))
+    run_dir = env.get("TPUJOB_RUN_DIR", "").strip().rstrip("/") or None
+    return Config(
+        train=_train_config(args),
+        checkpoint=_checkpoint_config(env) if run_dir else None,
+        topology=topology_from_env(env),
+        run_dir=run_dir,
+        job_name=env.get("TPUJOB_NAME", ""),
+        job_namespace=env.get("TPUJOB_NAMESPACE", ""),
+        attempt=_int(env, "TPUJOB_ATTEMPT", 0),
+        progress_interval_seconds=_float(env, "TPUJOB_PROGRESS_INTERVAL_SECONDS", 5.0),
+        storage_timeout_seconds=_float(env, "TPUJOB_STORAGE_TIMEOUT_SECONDS", 30.0),
+    )

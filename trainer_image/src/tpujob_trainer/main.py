@@ -1,0 +1,213 @@
+"""Entry point: `tpujob-train` / `python -m tpujob_trainer`. See README.md for the contract.
+
+Exit codes (the operator classifies failures by them): 0 success, 143 stopped by SIGTERM (after
+saving the current step when save-on-preemption is on), 3 checkpoint storage unreachable or
+unwritable at start, 2 bad configuration, 1 anything else.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import logging
+import os
+import sys
+import time
+from collections.abc import Sequence
+
+import jax
+import orbax.checkpoint as ocp
+
+from tpujob_trainer import checkpointing, progress
+from tpujob_trainer.checkpointing import CheckpointManager, PreemptionNotice, StorageError
+from tpujob_trainer.config import Config, ConfigError, parse_config
+from tpujob_trainer.data import batch_for_step
+from tpujob_trainer.train import State, Trainer, make_mesh
+
+log = logging.getLogger("tpujob_trainer")
+
+
+class ExitCode(enum.IntEnum):
+    OK = 0
+    FAILED = 1
+    BAD_CONFIG = 2
+    STORAGE = 3
+    PREEMPTED = 143  # 128 + SIGTERM, what a shell or the kubelet reports for a SIGTERM death
+
+
+def _scalar(x: jax.Array) -> float:
+    """Value of a replicated scalar; works when the array spans other processes' devices too."""
+    return float(x.addressable_data(0))
+
+
+def _init_distributed(cfg: Config) -> bool:
+    # Gloo gives CPU processes cross-process collectives (tests, local runs); TPUs ignore it.
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")  # type: ignore[no-untyped-call]
+    topo = cfg.topology
+    if topo.num_processes == 1:
+        return False
+    jax.distributed.initialize(
+        coordinator_address=topo.coordinator_address,
+        num_processes=topo.num_processes,
+        process_id=topo.process_id,
+    )
+    return True
+
+
+@dataclasses.dataclass
+class _Status:
+    """What progress.json reports; updated by the training loop."""
+
+    step: int = 0
+    loss: float | None = None
+    steps_per_second: float | None = None
+    resumed_from: int | None = None
+    outcome: progress.State = "failed"
+
+    def record(self, attempt: int, state: progress.State) -> progress.Progress:
+        return progress.Progress(
+            step=self.step, loss=self.loss, steps_per_second=self.steps_per_second, last_committed_step=None,
+            attempt=attempt, resumed_from_step=self.resumed_from, updated_at=progress.rfc3339_now(), state=state,
+        )  # fmt: skip
+
+
+def _open_manager(cfg: Config, notice: PreemptionNotice) -> CheckpointManager | None:
+    if not (cfg.run_dir and cfg.checkpoint):
+        log.warning("TPUJOB_RUN_DIR is not set: training without checkpoints")
+        return None
+    checkpointing.probe_storage(cfg.run_dir, f"process-{jax.process_index()}", cfg.storage_timeout_seconds)
+    log.info("checkpoints: %s/checkpoints, %s", cfg.run_dir, cfg.checkpoint)
+    return CheckpointManager(f"{cfg.run_dir}/checkpoints", checkpointing.manager_options(cfg.checkpoint), notice)
+
+
+def _restore_or_init(trainer: Trainer, mngr: CheckpointManager | None, resume_step: int) -> tuple[State, int | None]:
+    step = checkpointing.choose_restore_step(mngr.all_steps(), resume_step) if mngr else None
+    if mngr is None or step is None:
+        log.info("resume: no committed checkpoint, fresh start from step 0")
+        return trainer.init(), None
+    why = "pinned by TPUJOB_RESUME_STEP" if resume_step >= 0 else "latest committed"
+    log.info("resume: restoring step %d (%s) from %s", step, why, mngr.directory)
+    state: State = mngr.restore(step, args=ocp.args.StandardRestore(trainer.abstract_state))
+    if int(_scalar(state["step"])) != step:
+        raise RuntimeError(f"checkpoint {step} holds step {_scalar(state['step'])}")
+    # Training continues from the pinned step, so newer steps belong to an abandoned trajectory:
+    # drop them, or a later restart from the "latest committed" step would jump back into it.
+    newer = [s for s in mngr.all_steps() if s > step]
+    if newer:
+        log.warning("resume: deleting checkpoints newer than the pinned step: %s", newer)
+        for s in newer:
+            mngr.delete(s)
+    return state, step
+
+
+def _train(
+    cfg: Config,
+    trainer: Trainer,
+    state: State,
+    mngr: CheckpointManager | None,
+    notice: PreemptionNotice,
+    writer: progress.ProgressWriter | None,
+    status: _Status,
+) -> bool:
+    """Train from status.step to the last step; returns True if stopped by SIGTERM."""
+    tc = cfg.train
+    pending_save: int | None = None
+    window_start, window_steps, last_publish = time.monotonic(), 0, float("-inf")
+    for step in range(status.step + 1, tc.steps + 1):
+        # The update producing `step` consumes batch step-1: data position == step.
+        batch = trainer.device_batch(batch_for_step(tc.seed, step - 1, tc.batch_size, tc.seq_len, tc.model.vocab_size))
+        state, loss = trainer.step(state, batch)
+        status.step, window_steps = step, window_steps + 1
+        if mngr:
+            # Report a finished save before the policy may start the next one.
+            if pending_save is not None and not mngr.is_saving_in_progress():
+                if writer:
+                    writer.saved(pending_save)
+                pending_save = None
+            if mngr.save(step, args=ocp.args.StandardSave(state)):
+                pending_save = step
+        if notice.reached(step):
+            if mngr:
+                log.warning("SIGTERM: stopping at step %d (checkpoint of it: %s)", step, step in mngr.all_steps())
+                mngr.wait_until_finished()
+            return True
+        now = time.monotonic()
+        due_log = step % tc.log_every == 0 or step == tc.steps
+        due_publish = writer is not None and now - last_publish >= cfg.progress_interval_seconds
+        if due_log or due_publish:
+            status.loss = _scalar(loss)  # waits for the step: the rate below is real
+            now = time.monotonic()
+            status.steps_per_second = window_steps / max(now - window_start, 1e-9)
+            window_start, window_steps = now, 0
+            if due_log and jax.process_index() == 0:
+                committed = writer.last_committed_step if writer else None
+                print(
+                    progress.progress_line(step, tc.steps, status.loss, status.steps_per_second, committed), flush=True
+                )
+            if writer is not None and due_publish:
+                writer.publish(status.record(cfg.attempt, "running"))
+                last_publish = now
+    if mngr:
+        if status.step not in mngr.all_steps():
+            mngr.save(status.step, args=ocp.args.StandardSave(state), force=True)  # the final model, always
+        mngr.wait_until_finished()
+    return False
+
+
+def run(cfg: Config) -> ExitCode:
+    distributed = _init_distributed(cfg)
+    notice = PreemptionNotice(distributed)
+    tc = cfg.train
+    who = f"{cfg.job_namespace}/{cfg.job_name}" if cfg.job_name else "local run"
+    log.info(
+        "%s attempt %d: process %d/%d, %d devices (%s), model %s (%.1fM params), steps %d, batch %d x %d",
+        who, cfg.attempt, jax.process_index(), jax.process_count(), jax.device_count(), jax.devices()[0].platform,
+        tc.model.name, tc.model.num_params() / 1e6, tc.steps, tc.batch_size, tc.seq_len,
+    )  # fmt: skip
+    mngr = _open_manager(cfg, notice)
+    writer = None
+    if mngr and cfg.run_dir and jax.process_index() == 0:
+        checkpoint_dir = str(mngr.directory)
+        writer = progress.ProgressWriter(cfg.run_dir, lambda s: checkpointing.is_committed(checkpoint_dir, s))
+    status = _Status()
+    try:
+        trainer = Trainer(tc, make_mesh(cfg.topology.num_slices))
+        state, status.resumed_from = _restore_or_init(
+            trainer, mngr, cfg.checkpoint.resume_step if cfg.checkpoint else -1
+        )
+        status.step = status.resumed_from or 0
+        preempted = _train(cfg, trainer, state, mngr, notice, writer, status)
+        status.outcome = "preempted" if preempted else "succeeded"
+    finally:
+        if mngr:
+            latest = mngr.latest_step()
+            if writer and latest is not None:
+                writer.saved(latest)
+            mngr.close()
+        if writer:
+            writer.close(status.record(cfg.attempt, status.outcome))
+    if preempted:
+        return ExitCode.PREEMPTED
+    log.info("done: step %d", status.step)
+    return ExitCode.OK
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    # A handler of our own: absl (imported by orbax) has already claimed the root logger.
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s [tpujob_trainer] %(message)s"))
+    log.addHandler(handler)
+    log.setLevel(os.environ.get("TPUJOB_LOG_LEVEL", "INFO"))
+    log.propagate = False
+    try:
+        cfg = parse_config(sys.argv[1:] if argv is None else argv, os.environ)
+        return run(cfg)
+    except ConfigError as err:
+        log.error("bad configuration: %s", err)
+        return ExitCode.BAD_CONFIG
+    except StorageError as err:
+        log.error("checkpoint storage unusable at start: %s", err)
+        return ExitCode.STORAGE
+    except Exception:
+        log.exception("training failed")
+        return ExitCode.FAILED
