@@ -106,9 +106,9 @@ class Job:
             **overrides,
         }
 
-    def start(self, args: list[str], processes: int = 1, slices: int = 1, **env: str) -> Attempt:
+    def start(self, args: list[str], env: dict[str, str] | None = None, processes: int = 1, slices: int = 1) -> Attempt:
         """Launch one attempt: `processes` trainer processes laid out as `slices` equal slices."""
-        common = self.env(**env)
+        common = self.env(**(env or {}))
         hosts_per_slice = processes // slices
         if processes > 1:
             common |= {
@@ -116,7 +116,9 @@ class Job:
                 "TPUJOB_NUM_SLICES": str(slices),
                 "TPUJOB_HOSTS_PER_SLICE": str(hosts_per_slice),
             }
-        procs, logs, files = [], [], []
+        procs: list[subprocess.Popen[bytes]] = []
+        logs: list[Path] = []
+        files: list[IO[bytes]] = []
         for index in range(processes):
             log = self.log_dir / f"attempt{len(self.attempts)}-process{index}.log"
             out = log.open("wb")

@@ -66,11 +66,11 @@ def test_restart_restores_latest_committed_never_a_partial_step(job: Job) -> Non
     assert job.progress()["resumed_from_step"] == 12
     assert 50 not in job.step_dirs()  # the partial directory was cleaned up, never restored
 
-    pinned_missing = job.start(TINY, TPUJOB_RESUME_STEP="50")
+    pinned_missing = job.start(TINY, {"TPUJOB_RESUME_STEP": "50"})
     assert pinned_missing.wait(60) == [2]
     assert "TPUJOB_RESUME_STEP=50 is not a committed checkpoint" in pinned_missing.output()
 
-    pinned = job.start(["--steps", "13", "--batch-size", "4", "--seq-len", "32"], TPUJOB_RESUME_STEP="12")
+    pinned = job.start(["--steps", "13", "--batch-size", "4", "--seq-len", "32"], {"TPUJOB_RESUME_STEP": "12"})
     assert pinned.wait(150) == [0], pinned.output()
     assert "resume: restoring step 12 (pinned by TPUJOB_RESUME_STEP)" in pinned.output()
 
@@ -78,12 +78,12 @@ def test_restart_restores_latest_committed_never_a_partial_step(job: Job) -> Non
 @pytest.mark.timeout(240)
 def test_local_run_dir_skips_unrenamed_tmp_step(job: Job, tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
-    first = job.start(TINY, TPUJOB_RUN_DIR=str(run_dir))
+    first = job.start(TINY, {"TPUJOB_RUN_DIR": str(run_dir)})
     assert first.wait(150) == [0], first.output()
     checkpoints = run_dir / "checkpoints"
     assert (checkpoints / "12").is_dir() and (run_dir / "progress.json").is_file()
     (checkpoints / "40.orbax-checkpoint-tmp").mkdir()  # a save killed before its atomic rename
-    second = job.start(["--steps", "13", "--batch-size", "4", "--seq-len", "32"], TPUJOB_RUN_DIR=str(run_dir))
+    second = job.start(["--steps", "13", "--batch-size", "4", "--seq-len", "32"], {"TPUJOB_RUN_DIR": str(run_dir)})
     assert second.wait(150) == [0], second.output()
     assert "resume: restoring step 12 (latest committed)" in second.output()
 
@@ -109,7 +109,7 @@ def test_unusable_storage_fails_fast_with_exit_3(job: Job, tmp_path: Path, case:
         blocker.write_text("not a directory")
         env |= {"TPUJOB_RUN_DIR": str(blocker / "run")}
     start = time.monotonic()
-    attempt = job.start(TINY, **env)
+    attempt = job.start(TINY, env)
     codes = attempt.wait(90)
     out = attempt.output()
     assert codes == [3], out
@@ -130,6 +130,6 @@ def test_unusable_storage_fails_fast_with_exit_3(job: Job, tmp_path: Path, case:
     ],
 )
 def test_bad_configuration_exits_2(job: Job, args: list[str], env: dict[str, str], message: str) -> None:
-    attempt = job.start(["--steps", "2", *args], **env)
+    attempt = job.start(["--steps", "2", *args], env)
     assert attempt.wait(50) == [2]
     assert message in attempt.output()

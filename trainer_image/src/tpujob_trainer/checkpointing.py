@@ -82,7 +82,10 @@ class PreemptionNotice:
 
     def reached(self, step: int) -> bool:
         if self._distributed:
-            reached: bool = multihost_utils.reached_preemption_sync_point(step)
+            try:
+                reached: bool = multihost_utils.reached_preemption_sync_point(step)
+            except RuntimeError:  # the preemption service is disabled (jax_enable_preemption_service)
+                return False
             return reached
         return self._flag.is_set()
 

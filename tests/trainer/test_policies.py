@@ -1,0 +1,130 @@
+"""Checkpoint policies from the contract, exercised on Orbax's real CheckpointManager (local disk).
+
+What is asserted comes from the bytes Orbax wrote: the step directories, and the init/commit
+timestamps it records in each step's _CHECKPOINT_METADATA.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import json
+import os
+import signal
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import jax.numpy as jnp
+import numpy as np
+import orbax.checkpoint as ocp
+import pytest
+from orbax.checkpoint import checkpoint_managers as cm
+from tpujob_trainer.checkpointing import (
+    CheckpointManager,
+    PreemptionNotice,
+    choose_restore_step,
+    manager_options,
+    preservation_policy,
+    save_policy,
+)
+from tpujob_trainer.config import CheckpointConfig, ConfigError
+
+BASE = CheckpointConfig(
+    policy="continuous", min_interval_seconds=0.0, interval_steps=5, async_save=True,
+    keep_latest=1000, keep_every_steps=0, save_on_preemption=True, resume_step=-1,
+)  # fmt: skip
+
+
+def _cfg(**changes: object) -> CheckpointConfig:
+    return dataclasses.replace(BASE, **changes)  # type: ignore[arg-type]
+
+
+def _train(directory: Path, cfg: CheckpointConfig, steps: int, step_seconds: float, mb: int = 1) -> list[int]:
+    """A stand-in training loop: `steps` steps of `step_seconds`, offering a save after each."""
+    state = {"w": jnp.ones((mb * 256 * 1024,), jnp.float32), "step": jnp.zeros((), jnp.int32)}
+    with CheckpointManager(str(directory), manager_options(cfg), PreemptionNotice(distributed=False)) as mngr:
+        for step in range(1, steps + 1):
+            time.sleep(step_seconds)
+            state = {"w": state["w"] + 1, "step": jnp.asarray(step, jnp.int32)}
+            mngr.save(step, args=ocp.args.StandardSave(state))
+        mngr.wait_until_finished()
+        steps_kept: list[int] = list(mngr.all_steps())
+    return steps_kept
+
+
+def _timestamps(directory: Path, step: int) -> tuple[float, float]:
+    meta = json.loads((directory / str(step) / "_CHECKPOINT_METADATA").read_text())
+    return meta["init_timestamp_nsecs"] / 1e9, meta["commit_timestamp_nsecs"] / 1e9
+
+
+@pytest.fixture(autouse=True)
+def _restore_sigterm_handler() -> Iterator[None]:
+    # PreemptionNotice(distributed=False) installs a SIGTERM handler in this (pytest) process.
+    previous = signal.getsignal(signal.SIGTERM)
+    yield
+    signal.signal(signal.SIGTERM, previous)
+
+
+def test_policy_construction_follows_the_contract() -> None:
+    continuous = save_policy(_cfg(min_interval_seconds=2.5))
+    assert isinstance(continuous, cm.AnySavePolicy)
+    first, second = continuous.policies
+    assert isinstance(first, cm.ContinuousCheckpointingPolicy) and first.minimum_interval_secs == 2.5
+    assert isinstance(second, cm.PreemptionCheckpointingPolicy)
+    assert save_policy(_cfg()).policies[0].minimum_interval_secs is None
+    interval = save_policy(_cfg(policy="interval", interval_steps=7, save_on_preemption=False))
+    assert [type(p) for p in interval.policies] == [cm.FixedIntervalPolicy]
+    assert interval.policies[0].interval == 7
+    keep = preservation_policy(_cfg(keep_latest=2, keep_every_steps=10))
+    assert [type(p) for p in keep.policies] == [cm.LatestN, cm.EveryNSteps]
+    assert [type(p) for p in preservation_policy(_cfg()).policies] == [cm.LatestN]
+
+
+def test_interval_saves_exactly_on_multiples(tmp_path: Path) -> None:
+    assert _train(tmp_path, _cfg(policy="interval", interval_steps=5), steps=23, step_seconds=0.0) == [5, 10, 15, 20]
+
+
+def test_latest_n_keeps_n_plus_every_n_steps(tmp_path: Path) -> None:
+    kept = _train(tmp_path, _cfg(policy="interval", interval_steps=5, keep_latest=2, keep_every_steps=10), 40, 0.0)
+    assert kept == [10, 20, 30, 35, 40]
+    assert sorted(int(p.name) for p in tmp_path.iterdir() if p.name.isdigit()) == kept
+    assert _train(tmp_path / "n3", _cfg(policy="interval", interval_steps=1, keep_latest=3), 9, 0.0) == [7, 8, 9]
+
+
+def test_continuous_never_overlaps_saves_and_saves_back_to_back(tmp_path: Path) -> None:
+    saved = _train(tmp_path, _cfg(), steps=60, step_seconds=0.01, mb=8)
+    assert len(saved) >= 3 and saved[0] == 1
+    stamps = [_timestamps(tmp_path, s) for s in saved]
+    for (_, previous_commit), (init, _) in itertools.pairwise(stamps):
+        assert init >= previous_commit  # a save starts only after the previous one committed
+    steps_between = np.diff(saved)
+    assert steps_between.max() < 60 and steps_between.min() > 1  # each save spans several steps
+
+
+def test_continuous_honours_the_minimum_interval(tmp_path: Path) -> None:
+    saved = _train(tmp_path, _cfg(min_interval_seconds=0.4), steps=60, step_seconds=0.02)
+    inits = [_timestamps(tmp_path, s)[0] for s in saved]
+    assert len(saved) >= 2
+    assert min(np.diff(inits)) >= 0.4 - 0.05
+
+
+def test_sigterm_sets_the_single_process_preemption_flag() -> None:
+    notice = PreemptionNotice(distributed=False)
+    assert not notice.reached(3)
+    os.kill(os.getpid(), signal.SIGTERM)
+    time.sleep(0.05)
+    assert notice.reached(4)
+
+
+@pytest.mark.parametrize(
+    ("committed", "resume", "expected"),
+    [([], -1, None), ([3, 9, 6], -1, 9), ([3, 9], 3, 3), ([3, 9], 9, 9)],
+)
+def test_choose_restore_step(committed: list[int], resume: int, expected: int | None) -> None:
+    assert choose_restore_step(committed, resume) == expected
+
+
+def test_choose_restore_step_refuses_an_uncommitted_pin() -> None:
+    with pytest.raises(ConfigError, match="TPUJOB_RESUME_STEP=5 is not a committed checkpoint"):
+        choose_restore_step([3, 9], 5)
