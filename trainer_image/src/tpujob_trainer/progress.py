@@ -75,7 +75,7 @@ class ProgressWriter:
         self._cond = threading.Condition()
         self._pending: Progress | None = None
         self._closed = False
-        self._candidate: int | None = None
+        self._candidates: list[int] = []
         self.last_committed_step: int | None = None
         self._thread = threading.Thread(target=self._run, name="tpujob-progress", daemon=True)
         self._thread.start()
@@ -83,7 +83,7 @@ class ProgressWriter:
     def saved(self, step: int) -> None:
         """A save of `step` has finished (successfully or not): check its commit marker."""
         with self._cond:
-            self._candidate = step
+            self._candidates.append(step)
             self._cond.notify()
 
     def publish(self, progress: Progress) -> None:
@@ -92,12 +92,17 @@ class ProgressWriter:
             self._pending = progress
             self._cond.notify()
 
-    def _check(self, step: int) -> None:
-        try:
-            if self._committed(step):
-                self.last_committed_step = step
-        except Exception:
-            log.warning("could not check the commit marker of step %d", step, exc_info=True)
+    def _check(self, steps: list[int]) -> None:
+        """Newest first: the latest of `steps` whose marker exists becomes last_committed_step."""
+        for step in sorted(steps, reverse=True):
+            if self.last_committed_step is not None and step <= self.last_committed_step:
+                return
+            try:
+                if self._committed(step):
+                    self.last_committed_step = step
+                    return
+            except Exception:
+                log.warning("could not check the commit marker of step %d", step, exc_info=True)
 
     def _write(self, progress: Progress) -> None:
         progress = dataclasses.replace(progress, last_committed_step=self.last_committed_step)
@@ -106,20 +111,19 @@ class ProgressWriter:
         except Exception:
             log.warning("could not write %s", self._path, exc_info=True)
 
-    def _take(self) -> tuple[int | None, Progress | None]:
-        candidate, self._candidate = self._candidate, None
+    def _take(self) -> tuple[list[int], Progress | None]:
+        candidates, self._candidates = self._candidates, []
         pending, self._pending = self._pending, None
-        return candidate, pending
+        return candidates, pending
 
     def _run(self) -> None:
         while True:
             with self._cond:
-                self._cond.wait_for(lambda: self._closed or self._candidate is not None or self._pending is not None)
+                self._cond.wait_for(lambda: self._closed or bool(self._candidates) or self._pending is not None)
                 if self._closed:
                     return
-                candidate, pending = self._take()
-            if candidate is not None:
-                self._check(candidate)
+                candidates, pending = self._take()
+            self._check(candidates)
             if pending is not None:
                 self._write(pending)
 
@@ -130,7 +134,6 @@ class ProgressWriter:
             self._cond.notify_all()
         self._thread.join(timeout_s)
         with self._cond:
-            candidate, _ = self._take()
-        if candidate is not None:
-            self._check(candidate)
+            candidates, _ = self._take()
+        self._check(candidates)
         self._write(final)

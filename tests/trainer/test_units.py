@@ -1,0 +1,172 @@
+"""Pure pieces of the trainer: configuration, data, sharding rule, model/optimizer step, progress."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+from etils import epath
+from jax.sharding import PartitionSpec
+from tpujob_trainer import progress
+from tpujob_trainer.config import MODELS, ConfigError, parse_config, topology_from_env
+from tpujob_trainer.data import batch_for_step
+from tpujob_trainer.train import Trainer, make_mesh, partition_spec, resolve_dtype
+
+RUN = {"TPUJOB_RUN_DIR": "gs://b/ns/job"}
+
+
+def test_flags_beat_env_and_env_fills_in() -> None:
+    cfg = parse_config(
+        ["--steps", "7"], {**RUN, "TPUJOB_STEPS": "99", "TPUJOB_BATCH_SIZE": "16", "TPUJOB_MODEL": "small"}
+    )
+    assert (cfg.train.steps, cfg.train.batch_size, cfg.train.model.name) == (7, 16, "small")
+    assert cfg.train.warmup_steps == 1 and cfg.run_dir == "gs://b/ns/job"
+    assert cfg.checkpoint is not None and cfg.checkpoint.policy == "continuous" and cfg.checkpoint.async_save
+    assert parse_config([], {}).checkpoint is None  # no run dir: no checkpointing
+
+
+def test_checkpoint_env_contract() -> None:
+    env = {
+        **RUN,
+        "TPUJOB_CHECKPOINT_POLICY": "interval",
+        "TPUJOB_CHECKPOINT_INTERVAL_STEPS": "50",
+        "TPUJOB_CHECKPOINT_MIN_INTERVAL_SECONDS": "1.5",
+        "TPUJOB_CHECKPOINT_ASYNC": "false",
+        "TPUJOB_CHECKPOINT_KEEP_LATEST": "4",
+        "TPUJOB_CHECKPOINT_KEEP_EVERY_STEPS": "1000",
+        "TPUJOB_CHECKPOINT_SAVE_ON_PREEMPTION": "false",
+        "TPUJOB_RESUME_STEP": "300",
+    }
+    ckpt = parse_config([], env).checkpoint
+    assert ckpt is not None
+    assert (ckpt.policy, ckpt.interval_steps, ckpt.min_interval_seconds, ckpt.async_save) == (
+        "interval",
+        50,
+        1.5,
+        False,
+    )
+    assert (ckpt.keep_latest, ckpt.keep_every_steps, ckpt.save_on_preemption, ckpt.resume_step) == (4, 1000, False, 300)
+
+
+@pytest.mark.parametrize(
+    ("env", "expected"),
+    [
+        ({}, (0, 1)),
+        (
+            {
+                "TPUJOB_NUM_SLICES": "2",
+                "TPUJOB_HOSTS_PER_SLICE": "4",
+                "TPUJOB_SLICE_ID": "1",
+                "JOB_COMPLETION_INDEX": "3",
+            },
+            (7, 8),
+        ),
+        ({"TPUJOB_NUM_SLICES": "2", "TPUJOB_HOSTS_PER_SLICE": "1", "TPUJOB_SLICE_ID": "1"}, (1, 2)),
+        ({"TPUJOB_PROCESS_ID": "2", "TPUJOB_NUM_PROCESSES": "3"}, (2, 3)),
+    ],
+)
+def test_process_id_from_jobset_env(env: dict[str, str], expected: tuple[int, int]) -> None:
+    env = {"TPUJOB_COORDINATOR_ADDRESS": "job-0-0.svc:8476", **env}
+    topo = topology_from_env(env)
+    assert (topo.process_id, topo.num_processes) == expected
+
+
+@pytest.mark.parametrize(
+    ("argv", "env", "message"),
+    [
+        (["--model", "7b"], {}, "unknown model"),
+        (["--steps", "0"], {}, "steps must be > 0"),
+        (["--seq-len", "100000"], {}, "seq len"),
+        (["--bogus"], {}, "unrecognized arguments"),
+        ([], {**RUN, "TPUJOB_CHECKPOINT_ASYNC": "maybe"}, "not true/false"),
+        ([], {**RUN, "TPUJOB_CHECKPOINT_MIN_INTERVAL_SECONDS": "-1"}, ">= 0"),
+        ([], {**RUN, "TPUJOB_RESUME_STEP": "-2"}, "TPUJOB_RESUME_STEP"),
+        ([], {"TPUJOB_NUM_SLICES": "2"}, "TPUJOB_COORDINATOR_ADDRESS is required"),
+        ([], {"TPUJOB_SLICE_ID": "1"}, "TPUJOB_SLICE_ID=1 not in [0, 1)"),
+    ],
+)
+def test_bad_configuration_is_refused(argv: list[str], env: dict[str, str], message: str) -> None:
+    with pytest.raises(ConfigError, match=message.replace("[", r"\[").replace("(", r"\(").replace(")", r"\)")):
+        parse_config(argv, env)
+
+
+def test_model_sizes_span_tiny_to_about_1b() -> None:
+    assert MODELS["tiny"].num_params() < 200_000
+    assert 0.9e9 < MODELS["1b"].num_params() < 1.2e9
+
+
+def test_data_is_a_pure_function_of_seed_and_step() -> None:
+    a = batch_for_step(0, 5, 4, 16, 256)
+    assert a.dtype == np.int32 and a.shape == (4, 16) and a.min() >= 0 and a.max() < 256
+    np.testing.assert_array_equal(a, batch_for_step(0, 5, 4, 16, 256))
+    assert not np.array_equal(a, batch_for_step(0, 6, 4, 16, 256))
+    assert not np.array_equal(a, batch_for_step(1, 5, 4, 16, 256))
+    stride = (a[:, 1] - a[:, 0]) % 256
+    np.testing.assert_array_equal((a[:, 2] - a[:, 1]) % 256, stride)  # learnable: arithmetic progressions
+
+
+@pytest.mark.parametrize(
+    ("path", "shape", "fsdp", "expected"),
+    [
+        (("embed",), (256, 64), 4, PartitionSpec("fsdp", None)),
+        (("layers", "wqkv"), (2, 64, 192), 4, PartitionSpec(None, None, "fsdp")),
+        (("layers", "wqkv"), (8, 6, 6), 4, PartitionSpec()),  # never the stacked layer axis
+        (("final_norm",), (64,), 1, PartitionSpec()),
+        (("step",), (), 4, PartitionSpec()),
+    ],
+)
+def test_partition_spec_rule(path: tuple[str, ...], shape: tuple[int, ...], fsdp: int, expected: PartitionSpec) -> None:
+    keys = tuple(jax.tree_util.DictKey(k) for k in path)
+    assert partition_spec(keys, shape, fsdp) == expected
+
+
+def test_dtype_is_bf16_on_accelerators_only() -> None:
+    assert resolve_dtype("auto", "tpu").name == "bfloat16" and resolve_dtype("auto", "gpu").name == "bfloat16"
+    assert resolve_dtype("auto", "cpu").name == "float32" and resolve_dtype("bfloat16", "cpu").name == "bfloat16"
+
+
+def test_train_step_learns_and_is_deterministic() -> None:
+    cfg = parse_config(["--steps", "30", "--batch-size", "4", "--seq-len", "16", "--learning-rate", "1e-2"], {}).train
+    trainer = Trainer(cfg, make_mesh(1))
+
+    def losses() -> tuple[list[float], np.ndarray]:
+        state, out = trainer.init(), []
+        for step in range(cfg.steps):
+            tokens = trainer.device_batch(batch_for_step(cfg.seed, step, 4, 16, cfg.model.vocab_size))
+            state, loss = trainer.step(state, tokens)
+            out.append(float(loss))
+        assert int(state["step"]) == int(state["data_position"]) == cfg.steps
+        return out, np.asarray(state["params"]["embed"])
+
+    first, params = losses()
+    again, params_again = losses()
+    assert first == again and np.array_equal(params, params_again)
+    assert np.mean(first[-5:]) < np.mean(first[:5]) - 0.5
+
+
+def test_progress_record_and_line() -> None:
+    record = progress.Progress(
+        step=12, loss=1.5, steps_per_second=3.0, last_committed_step=10, attempt=2,
+        resumed_from_step=8, updated_at=progress.rfc3339_now(), state="running",
+    )  # fmt: skip
+    assert set(json.loads(progress.to_json(record))) == {
+        "step", "loss", "steps_per_second", "last_committed_step", "attempt", "resumed_from_step", "updated_at", "state"
+    }  # fmt: skip
+    assert progress.progress_line(12, 100, 1.5, 3.0, None) == "step 12/100 loss 1.5000 steps/s 3.00 last_committed none"
+
+
+def test_progress_writer_overwrites_atomically_and_checks_commit(tmp_path: Path) -> None:
+    writer = progress.ProgressWriter(str(tmp_path), committed=lambda step: step == 10)
+    base = dict(loss=1.0, steps_per_second=1.0, last_committed_step=None, attempt=0, resumed_from_step=None)
+    writer.saved(10)
+    writer.publish(progress.Progress(step=11, updated_at=progress.rfc3339_now(), state="running", **base))  # type: ignore[arg-type]
+    writer.saved(12)  # not committed: must not be reported
+    writer.close(progress.Progress(step=12, updated_at=progress.rfc3339_now(), state="succeeded", **base))  # type: ignore[arg-type]
+    record = json.loads((tmp_path / "progress.json").read_text())
+    assert (record["step"], record["state"], record["last_committed_step"]) == (12, "succeeded", 10)
+    assert [p.name for p in tmp_path.iterdir()] == ["progress.json"]  # no temp file left behind
+    progress.write_atomically(epath.Path(tmp_path) / "progress.json", "{}")
+    assert (tmp_path / "progress.json").read_text() == "{}"
