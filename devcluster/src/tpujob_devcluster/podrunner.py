@@ -114,6 +114,7 @@ class RunningPod:
     hosts_file: Path
     hostname_fqdn: str
     killed_for_deletion: bool = False
+    vanished: bool = False  # the pod or its node left the API: nobody is left to report to
     finished: bool = False
     lock: threading.Lock = field(default_factory=threading.Lock)
 
@@ -253,6 +254,8 @@ class PodRunner:
             "finishedAt": now(),
         }
         log.info("%s/%s exited with %d", running.namespace, running.name, exit_code)
+        if running.vanished:
+            return
         if running.killed_for_deletion:
             self._finish_deletion(running, terminated)
             return
@@ -349,7 +352,11 @@ class PodRunner:
         pod = self.core.read_namespaced_pod(name, namespace)
         status["containerStatuses"][0]["name"] = pod.spec.containers[0].name
         status["containerStatuses"][0]["image"] = pod.spec.containers[0].image
-        self.core.patch_namespaced_pod_status(name, namespace, {"status": status})
+        # Strategic merge, as kubelet's status manager: conditions merge by type, so a DisruptionTarget
+        # set by the control plane (eviction, preemption, pod GC) survives this report.
+        self.core.patch_namespaced_pod_status(
+            name, namespace, {"status": status}, _content_type="application/strategic-merge-patch+json"
+        )
 
     # -- the loop ------------------------------------------------------------------------------------
     def managed_nodes(self) -> set[str]:
@@ -375,8 +382,10 @@ class PodRunner:
                 continue
             if running is None and (pod.get("status") or {}).get("phase") in (None, "Pending"):
                 self.start_pod(pod)
-        for uid in [u for u in self.pods if u not in seen]:  # force-deleted in the API: stop the process
+        # Force-deleted in the API, or its node is gone (a lost VM): the process dies without a word.
+        for uid in [u for u in self.pods if u not in seen]:
             running = self.pods.pop(uid)
+            running.vanished = True
             self._signal(running, signal.SIGKILL)
 
     def _force_delete(self, meta: dict[str, Any]) -> None:

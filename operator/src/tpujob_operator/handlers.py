@@ -28,6 +28,10 @@ _locks: defaultdict[tuple[str, str], asyncio.Lock] = defaultdict(asyncio.Lock)
 _cluster: Cluster | None = None
 _storage: Any = None
 _watched: set[tuple[str, str]] = set()
+# The last state of each worker pod that ended or is being deleted, by (namespace, job, attempt).
+# Evicted, preempted or garbage-collected pods are often gone from the API by the time their JobSet
+# is marked Failed; what they said on the way out is what classifies the failure.
+_ended_pods: defaultdict[tuple[str, str, str], dict[str, dict[str, Any]]] = defaultdict(dict)
 _poller: asyncio.Task[None] | None = None
 
 
@@ -37,6 +41,7 @@ def reset_clients() -> None:
     _cluster, _storage = None, None
     _locks.clear()
     _watched.clear()
+    _ended_pods.clear()
 
 
 def cluster() -> Cluster:
@@ -144,7 +149,11 @@ def reconcile_sync(namespace: str, name: str) -> float | None:
         _watched.discard((namespace, name))
         return None
     raw_jobsets = kube.list_jobsets(namespace, name)
-    pods = kube.list_pods(namespace, name, tj.status.attempt)
+    listed = kube.list_pods(namespace, name, tj.status.attempt)
+    remembered = _ended_pods.get((namespace, name, str(tj.status.attempt)), {})
+    pods = list({**remembered, **{p["metadata"]["name"]: p for p in listed}}.values())
+    for key in [k for k in _ended_pods if k[:2] == (namespace, name) and k[2] != str(tj.status.attempt)]:
+        del _ended_pods[key]
     status, actions = reconcile(tj, _observe(tj, raw_jobsets, pods))
     _apply(tj, body, status, actions)
     if status.phase != tj.status.phase:
@@ -188,6 +197,16 @@ async def on_jobset_event(type: str, namespace: str | None, labels: kopf.Labels,
     # A JobSet changed (e.g. it failed): react now rather than at the next poll.
     if type in ("MODIFIED", "DELETED") and namespace:
         await reconcile_job(namespace, labels[LABEL_NAME])
+
+
+@kopf.on.event("", "v1", "pods", labels={LABEL_NAME: kopf.PRESENT, LABEL_ATTEMPT: kopf.PRESENT})
+def on_worker_pod_event(type: str, body: kopf.Body, namespace: str | None, labels: kopf.Labels, **_: Any) -> None:
+    status = body.get("status") or {}
+    disrupted = any(c.get("type") == "DisruptionTarget" for c in status.get("conditions") or [])
+    ended = status.get("phase") in ("Failed", "Succeeded") or disrupted or body["metadata"].get("deletionTimestamp")
+    if namespace and (ended or type == "DELETED"):
+        key = (namespace, labels[LABEL_NAME], labels[LABEL_ATTEMPT])
+        _ended_pods[key][body["metadata"]["name"]] = dict(body)
 
 
 async def _poll_forever() -> None:
