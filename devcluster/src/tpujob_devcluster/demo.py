@@ -9,6 +9,7 @@ checkpoint interval, restarts, steps lost and recovery time.
 
 from __future__ import annotations
 
+import itertools
 import os
 import signal
 import statistics
@@ -127,7 +128,7 @@ def _pgid(pid: int) -> int | None:
 def report(tj: dict[str, Any], timeline: Timeline) -> dict[str, Any]:
     status = tj["status"]
     steps = [s for _, s in timeline.committed_steps]
-    intervals = [b - a for a, b in zip(steps, steps[1:], strict=False) if b > a]
+    intervals = [b - a for a, b in itertools.pairwise(steps) if b > a]
     failure = status.get("lastFailure") or {}
     resumed = failure.get("resumeStep")
     return {
@@ -166,7 +167,7 @@ def run_demo(state_dir: Path) -> int:
         custom.create_namespaced_custom_object("tpujob.dev", "v1alpha1", NAMESPACE, "trainingjobs", manifest)
         timeline = Timeline()
         start = time.monotonic()
-        tj: dict[str, Any] = {}
+        tj: Any = {}
         with Live(console=console, refresh_per_second=4) as live:
             while time.monotonic() - start < DEMO_TIMEOUT_S:
                 tj = custom.get_namespaced_custom_object("tpujob.dev", "v1alpha1", NAMESPACE, "trainingjobs", name)

@@ -19,6 +19,7 @@ Logs: <state>/pods/<namespace>/<pod>/log (path printed by `make up`).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import fnmatch
 import ipaddress
 import logging
@@ -221,7 +222,7 @@ class PodRunner:
         if spec.get("automountServiceAccountToken") is False:
             return None
         account = spec.get("serviceAccountName") or "default"
-        request = {
+        request: Any = {
             "spec": {
                 "audiences": [],
                 "expirationSeconds": 86400,
@@ -233,7 +234,7 @@ class PodRunner:
                 },
             }
         }
-        token = self.core.create_namespaced_service_account_token(account, pod["metadata"]["namespace"], request)
+        token: Any = self.core.create_namespaced_service_account_token(account, pod["metadata"]["namespace"], request)
         token_dir = directory / "serviceaccount"
         token_dir.mkdir(exist_ok=True)
         (token_dir / "token").write_text(token.status.token)
@@ -291,10 +292,8 @@ class PodRunner:
 
     @staticmethod
     def _signal(running: RunningPod, sig: signal.Signals) -> None:
-        try:
+        with contextlib.suppress(ProcessLookupError):
             os.killpg(running.process.pid, sig)
-        except ProcessLookupError:
-            pass
 
     # -- status reports ------------------------------------------------------------------------------
     def _report(
@@ -349,7 +348,7 @@ class PodRunner:
             status.update(podIP=ip, podIPs=[{"ip": ip}])
         if started_at:
             status["startTime"] = started_at
-        pod = self.core.read_namespaced_pod(name, namespace)
+        pod: Any = self.core.read_namespaced_pod(name, namespace)
         status["containerStatuses"][0]["name"] = pod.spec.containers[0].name
         status["containerStatuses"][0]["image"] = pod.spec.containers[0].image
         # Strategic merge, as kubelet's status manager: conditions merge by type, so a DisruptionTarget
@@ -360,8 +359,8 @@ class PodRunner:
 
     # -- the loop ------------------------------------------------------------------------------------
     def managed_nodes(self) -> set[str]:
-        nodes = self.core.list_node(label_selector=NODE_LABEL).items
-        return {n.metadata.name for n in nodes}
+        nodes: list[Any] = self.core.list_node(label_selector=NODE_LABEL).items
+        return {str(n.metadata.name) for n in nodes}
 
     def sync_once(self) -> None:
         nodes = self.managed_nodes()
