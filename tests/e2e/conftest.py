@@ -7,9 +7,7 @@ processes), kwok replaces node VMs, TPU chips are CPU devices, fake-gcs-server r
 
 from __future__ import annotations
 
-import os
 import signal
-import subprocess
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -21,7 +19,7 @@ from google.auth.credentials import AnonymousCredentials
 from google.cloud import storage
 from kubernetes import client, config
 from tpujob_devcluster.cluster import BUCKET, DevCluster
-from tpujob_devcluster.controlplane import REPO_ROOT, free_port, tools_dir
+from tpujob_devcluster.harness import helm_install_operator, pod_pids, signal_pod
 from tpujob_operator import api, checkpoints
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
@@ -41,13 +39,7 @@ def devcluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DevCluster]
     pools.write_text(yaml.safe_dump(E2E_POOLS))
     cluster = DevCluster(state, pools).start()
     try:
-        subprocess.run(
-            [str(tools_dir() / "helm"), "install", "tpujob", str(REPO_ROOT / "charts" / "tpujob"),
-             "--namespace", "tpujob-system", "--create-namespace", "--kubeconfig", str(cluster.kubeconfig),
-             "--set", "image.repository=tpujob-operator", "--set", "image.tag=dev",
-             "--set", f"livenessPort={free_port()}", "--wait", "--timeout", "3m"],
-            check=True, capture_output=True, text=True,
-        )  # fmt: skip
+        helm_install_operator(cluster.kubeconfig)
         yield cluster
     finally:
         cluster.stop()
@@ -135,13 +127,10 @@ class E2E:
         return sorted((self.cluster.state_dir / "pods" / self.namespace).glob(f"{name}-*"))
 
     def trainer_pids(self, pod_name: str) -> list[int]:
-        """Processes of one pod: the pod runner starts each pod in its own process group."""
-        leader = int((self.cluster.state_dir / "pods" / self.namespace / pod_name / "pid").read_text())
-        return [p for p in _all_pids() if _pgid(p) == leader]
+        return pod_pids(self.cluster.state_dir, self.namespace, pod_name)
 
     def signal_pod(self, pod_name: str, sig: signal.Signals) -> None:
-        for pid in self.trainer_pids(pod_name):
-            os.kill(pid, sig)
+        signal_pod(self.cluster.state_dir, self.namespace, pod_name, sig)
 
     def running_pod(self, prefix: str) -> str:
         for pod in self.pods():
@@ -159,17 +148,6 @@ class E2E:
     def events(self, name: str) -> list[str]:
         found = self.core.list_namespaced_event(self.namespace, field_selector=f"involvedObject.name={name}")
         return [e.reason or "" for e in found.items]
-
-
-def _all_pids() -> list[int]:
-    return [int(d.name) for d in Path("/proc").iterdir() if d.name.isdigit()]
-
-
-def _pgid(pid: int) -> int | None:
-    try:
-        return os.getpgid(pid)
-    except ProcessLookupError:
-        return None
 
 
 @pytest.fixture

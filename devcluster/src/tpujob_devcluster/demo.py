@@ -13,7 +13,6 @@ import itertools
 import os
 import signal
 import statistics
-import subprocess
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -27,10 +26,10 @@ from rich.table import Table
 from tpujob_operator.checkpoints import latest_committed_step, make_client, split_gs_path
 
 from .cluster import BUCKET, DevCluster, read_state
-from .controlplane import REPO_ROOT, free_port, tools_dir
+from .controlplane import REPO_ROOT
+from .harness import helm_install_operator, signal_pod
 
 NAMESPACE = "default"
-OPERATOR_NAMESPACE = "tpujob-system"
 DEMO_MANIFEST = REPO_ROOT / "examples" / "demo.yaml"
 DEMO_TIMEOUT_S = 540
 
@@ -49,35 +48,6 @@ class Timeline:
     def saw_commit(self, step: int | None) -> None:
         if step is not None and (not self.committed_steps or self.committed_steps[-1][1] != step):
             self.committed_steps.append((time.monotonic(), step))
-
-
-def helm_install_operator(kubeconfig: Path) -> None:
-    subprocess.run(
-        [
-            str(tools_dir() / "helm"),
-            "upgrade",
-            "--install",
-            "tpujob",
-            str(REPO_ROOT / "charts" / "tpujob"),
-            "--namespace",
-            OPERATOR_NAMESPACE,
-            "--create-namespace",
-            "--kubeconfig",
-            str(kubeconfig),
-            "--set",
-            "image.repository=tpujob-operator",
-            "--set",
-            "image.tag=dev",
-            "--set",
-            f"livenessPort={free_port()}",
-            "--wait",
-            "--timeout",
-            "3m",
-        ],
-        check=True,
-        capture_output=True,
-        text=True,
-    )
 
 
 def view(tj: dict[str, Any], timeline: Timeline, elapsed: float) -> Table:
@@ -107,22 +77,8 @@ def kill_one_slice_worker(state_dir: Path, js_name: str) -> str:
     pods = sorted((state_dir / "pods" / NAMESPACE).glob(f"{js_name}-slice-1-0-*"))
     if not pods:
         raise RuntimeError(f"no worker of slice 1 of {js_name} is running")
-    pid = int((pods[-1] / "pid").read_text())
-    for child in _descendants(pid):
-        os.kill(child, signal.SIGKILL)
+    signal_pod(state_dir, NAMESPACE, pods[-1].name, signal.SIGKILL)
     return pods[-1].name
-
-
-def _descendants(pid: int) -> list[int]:
-    """The unshare wrapper execs into the trainer, so the pod's process group holds it."""
-    return [p for p in (int(d.name) for d in Path("/proc").iterdir() if d.name.isdigit()) if _pgid(p) == pid]
-
-
-def _pgid(pid: int) -> int | None:
-    try:
-        return os.getpgid(pid)
-    except ProcessLookupError:
-        return None
 
 
 def report(tj: dict[str, Any], timeline: Timeline) -> dict[str, Any]:

@@ -1,0 +1,46 @@
+"""Shared by the demo, the e2e tests and the recovery benchmark: install the operator with its Helm
+chart, and reach the local processes behind a pod (to inject failures the way a dying host would)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+from pathlib import Path
+
+from .controlplane import REPO_ROOT, free_port, tools_dir
+
+OPERATOR_NAMESPACE = "tpujob-system"
+
+
+def helm_install_operator(kubeconfig: Path) -> None:
+    """The chart as a user installs it; the image name maps to the local operator in images.yaml."""
+    subprocess.run(
+        [str(tools_dir() / "helm"), "upgrade", "--install", "tpujob", str(REPO_ROOT / "charts" / "tpujob"),
+         "--namespace", OPERATOR_NAMESPACE, "--create-namespace", "--kubeconfig", str(kubeconfig),
+         "--set", "image.repository=tpujob-operator", "--set", "image.tag=dev",
+         "--set", f"livenessPort={free_port()}", "--wait", "--timeout", "3m"],
+        check=True, capture_output=True, text=True,
+    )  # fmt: skip
+
+
+def pod_pids(state_dir: Path, namespace: str, pod_name: str) -> list[int]:
+    """The pod runner starts each pod in its own process group, led by the pid it records."""
+    leader = int((state_dir / "pods" / namespace / pod_name / "pid").read_text())
+    return [pid for pid in _all_pids() if _pgid(pid) == leader]
+
+
+def signal_pod(state_dir: Path, namespace: str, pod_name: str, sig: signal.Signals) -> None:
+    for pid in pod_pids(state_dir, namespace, pod_name):
+        os.kill(pid, sig)
+
+
+def _all_pids() -> list[int]:
+    return [int(entry.name) for entry in Path("/proc").iterdir() if entry.name.isdigit()]
+
+
+def _pgid(pid: int) -> int | None:
+    try:
+        return os.getpgid(pid)
+    except ProcessLookupError:
+        return None
