@@ -10,7 +10,7 @@ PY := $(VENV)/bin/python
 DEPS_STAMP := $(VENV)/.deps-$(shell cat requirements-dev.txt operator/pyproject.toml trainer_image/pyproject.toml devcluster/pyproject.toml | sha1sum | cut -c1-12)
 PYTEST_ARGS ?=
 
-.PHONY: setup venv binaries tools crds lint test test-unit test-integration test-trainer up down demo bench clean
+.PHONY: setup venv binaries tools crds lint test test-unit test-integration test-trainer up down demo bench bench-recovery clean
 
 setup: venv binaries tools
 
@@ -59,6 +59,9 @@ demo: setup
 
 bench: venv
 	$(PY) bench/checkpoint_policies.py
+
+bench-recovery: setup
+	$(PY) bench/recovery.py
 
 clean: down
 	rm -rf .devcluster

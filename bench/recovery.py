@@ -39,6 +39,8 @@ def _manifest(name: str, policy: str, steps: int, failures: int) -> dict[str, An
         "spec": {
             "image": "tpujob-trainer:dev",
             "args": ["--model", "tiny", "--steps", str(steps), "--batch-size", "8", "--log-every", "25"],
+            # Progress twice a second, so the last reported step before a crash is close to the real one.
+            "env": [{"name": "TPUJOB_PROGRESS_INTERVAL_SECONDS", "value": "0.5"}],
             "tpu": {"accelerator": "tpu-v5-lite-podslice", "topology": "2x2", "slices": 1},
             "checkpoint": checkpoint,
             "restart": {"maxRestarts": failures, "backoffSeconds": 0},

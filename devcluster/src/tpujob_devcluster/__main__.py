@@ -7,21 +7,13 @@ import sys
 from pathlib import Path
 
 from .cluster import DEFAULT_STATE_DIR, DevCluster, read_state, stop_from_state
-from .controlplane import http_ok
-
-
-def cluster_is_up(state_dir: Path) -> bool:
-    state = read_state(state_dir)
-    return (
-        bool(state) and http_ok(f"http://127.0.0.1:{state['gcs'].rsplit(':', 1)[1]}/storage/v1/b") if state else False
-    )
 
 
 def up(state_dir: Path) -> int:
     if read_state(state_dir):
         stop_from_state(state_dir)  # a half-dead cluster from an earlier run: start clean
     print(f"starting the devcluster in {state_dir} (first run builds the binaries: ~25 min on 2 cores)")
-    cluster = DevCluster(state_dir).start()
+    cluster = DevCluster(state_dir, detached=True).start()
     for component in cluster.plane.components:
         print(f"  ready: {component.name:<24} log: {component.log_path}")
     print(f"  ready: {'fake-gcs-server':<24} {cluster.gcs.endpoint if cluster.gcs else ''} bucket tpujob-demo")

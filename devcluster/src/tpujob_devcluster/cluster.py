@@ -12,6 +12,7 @@ import copy
 import json
 import math
 import os
+import shutil
 import signal
 import sys
 import time
@@ -127,8 +128,12 @@ def jobset_webhooks(bin_dir: Path, port: int, ca_bundle: str) -> list[dict[str, 
 
 
 class DevCluster:
-    def __init__(self, state_dir: Path = DEFAULT_STATE_DIR, pools_file: Path = POOLS_FILE) -> None:
+    def __init__(
+        self, state_dir: Path = DEFAULT_STATE_DIR, pools_file: Path = POOLS_FILE, detached: bool = False
+    ) -> None:
+        """detached: outlive this process (`make up`); otherwise stop() or this process's exit ends it."""
         self.state_dir = state_dir
+        self.detached = detached
         self.pools, self.system_nodes = load_pools(pools_file)
         self.bin_dir = build_binaries()
         self.plane = ControlPlane(workdir=state_dir, bin_dir=self.bin_dir, service_account_admission=True)
@@ -143,14 +148,17 @@ class DevCluster:
         return self.state_dir / "logs"
 
     def start(self, timeout: float = 180.0) -> DevCluster:
-        self.state_dir.mkdir(parents=True, exist_ok=True)
+        # The devcluster is ephemeral: every start begins from empty etcd, bucket and pod folders.
+        if self.state_dir.exists():
+            shutil.rmtree(self.state_dir)
+        self.state_dir.mkdir(parents=True)
         self.plane.start(timeout)
         self.plane.apply_crd(self.bin_dir / "jobset-crd.yaml")
         self.plane.apply_crd(REPO_ROOT / "crds" / "trainingjob.yaml")
         self._start_scheduler(timeout)
         self._start_jobset(timeout)
         self._start_kwok_and_nodes(timeout)
-        self.gcs = start_fake_gcs(self.state_dir / "gcs")
+        self.gcs = start_fake_gcs(self.state_dir / "gcs", die_with_parent=not self.detached)
         self.gcs.create_bucket(BUCKET)
         self._start_pod_runner(timeout)
         self._write_state()

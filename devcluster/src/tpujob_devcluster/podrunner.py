@@ -135,8 +135,11 @@ class AddressPool:
 
 
 class PodRunner:
-    def __init__(self, state_dir: Path, images: Path, extra_env: dict[str, str], api_port: int) -> None:
+    def __init__(
+        self, state_dir: Path, images: Path, extra_env: dict[str, str], api_port: int, cpu_devices_per_pod: int
+    ) -> None:
         self.state_dir = state_dir
+        self.cpu_devices_per_pod = cpu_devices_per_pod
         self.images = load_image_table(images)
         self.extra_env = extra_env
         self.api_port = api_port
@@ -186,8 +189,9 @@ class PodRunner:
                 "KUBERNETES_SERVICE_PORT": str(self.api_port),
             }
             chips = tpu_chips(container)
-            if chips:  # TPU chips of this host become CPU devices of this process
-                extra.update(JAX_PLATFORMS="cpu", XLA_FLAGS=f"--xla_force_host_platform_device_count={chips}")
+            if chips:  # a TPU host becomes a JAX process with CPU devices standing in for its chips
+                devices = chips if self.cpu_devices_per_pod == 0 else min(chips, self.cpu_devices_per_pod)
+                extra.update(JAX_PLATFORMS="cpu", XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}")
             env = container_env(pod, container, extra)
             token_dir = self._service_account(pod, directory)
         except (ValueError, ApiException) as error:
@@ -379,8 +383,13 @@ class PodRunner:
                 elif (pod.get("status") or {}).get("phase") in ("Succeeded", "Failed", None, "Pending"):
                     self._force_delete(meta)
                 continue
-            if running is None and (pod.get("status") or {}).get("phase") in (None, "Pending"):
+            phase = (pod.get("status") or {}).get("phase")
+            if running is None and phase in (None, "Pending"):
                 self.start_pod(pod)
+            elif running is None and phase == "Running":  # started by an earlier runner, whose pods died with it
+                self._report(
+                    pod, "Failed", terminated={"exitCode": 137, "reason": "Error", "message": "pod runner restarted"}
+                )
         # Force-deleted in the API, or its node is gone (a lost VM): the process dies without a word.
         for uid in [u for u in self.pods if u not in seen]:
             running = self.pods.pop(uid)
@@ -417,11 +426,18 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--api-port", type=int, required=True)
     parser.add_argument("--env", action="append", default=[], help="KEY=VALUE added to every pod")
     parser.add_argument("--interval", type=float, default=0.3)
+    parser.add_argument(
+        "--cpu-devices-per-pod",
+        type=int,
+        default=1,
+        help="CPU devices standing in for a TPU host's chips (0: one per chip). On 2 cores, 16 devices "
+        "in 4 processes spend their time in cross-process collectives; 1 keeps the demo quick.",
+    )
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     config.load_kube_config(args.kubeconfig)
     extra = dict(item.split("=", 1) for item in args.env)
-    runner = PodRunner(args.state_dir, args.images, extra, args.api_port)
+    runner = PodRunner(args.state_dir, args.images, extra, args.api_port, args.cpu_devices_per_pod)
     signal.signal(signal.SIGTERM, lambda *_: runner.stopping.set())
     runner.run(args.interval)
 

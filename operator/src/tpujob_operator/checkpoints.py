@@ -11,7 +11,9 @@ import os
 import re
 from datetime import datetime
 
+import requests
 from google.api_core import exceptions as gcs_errors
+from google.api_core.retry import Retry
 from google.auth.credentials import AnonymousCredentials
 from google.cloud import storage
 
@@ -22,6 +24,11 @@ from .facts import Progress
 COMMIT_MARKER = "commit_success.txt"
 PROGRESS_FILE = "progress.json"
 _STEP_DIR = re.compile(r"^(\d+)/$")
+# A reconcile must not block for minutes on an unreachable bucket: short per-call timeout and a
+# bounded retry; failures become StorageError, reported in status, and the next poll tries again.
+_TIMEOUT_SECONDS = 10
+_RETRY = Retry(timeout=20)
+_STORAGE_FAILURES = (gcs_errors.GoogleAPICallError, gcs_errors.RetryError, requests.RequestException)
 
 
 class StorageError(RuntimeError):
@@ -56,13 +63,13 @@ def latest_committed_step(client: storage.Client, run_dir: str) -> int | None:
     checkpoints = f"{prefix}/checkpoints/" if prefix else "checkpoints/"
     try:
         bucket = client.bucket(bucket_name)
-        listing = client.list_blobs(bucket, prefix=checkpoints, delimiter="/")
+        listing = client.list_blobs(bucket, prefix=checkpoints, delimiter="/", timeout=_TIMEOUT_SECONDS, retry=_RETRY)
         for _ in listing.pages:  # the prefixes are filled in while pages are consumed
             pass
         for step in step_candidates(checkpoints, list(listing.prefixes)):
-            if bucket.blob(f"{checkpoints}{step}/{COMMIT_MARKER}").exists():
+            if bucket.blob(f"{checkpoints}{step}/{COMMIT_MARKER}").exists(timeout=_TIMEOUT_SECONDS, retry=_RETRY):
                 return step
-    except gcs_errors.GoogleAPICallError as error:
+    except _STORAGE_FAILURES as error:
         raise StorageError(f"listing {run_dir}/checkpoints failed: {error}") from error
     return None
 
@@ -85,10 +92,10 @@ def read_progress(client: storage.Client, run_dir: str) -> Progress | None:
     bucket_name, prefix = split_gs_path(run_dir)
     blob = client.bucket(bucket_name).blob(f"{prefix}/{PROGRESS_FILE}" if prefix else PROGRESS_FILE)
     try:
-        return parse_progress(blob.download_as_bytes())
+        return parse_progress(blob.download_as_bytes(timeout=_TIMEOUT_SECONDS, retry=_RETRY))
     except gcs_errors.NotFound:
         return None
-    except gcs_errors.GoogleAPICallError as error:
+    except _STORAGE_FAILURES as error:
         raise StorageError(f"reading {run_dir}/{PROGRESS_FILE} failed: {error}") from error
     except (ValueError, KeyError) as error:
         raise StorageError(f"{run_dir}/{PROGRESS_FILE} is malformed: {error}") from error
