@@ -67,7 +67,7 @@ def _run_policy(args: argparse.Namespace, name: str, root: Path) -> dict[str, An
             interval_steps=args.interval, async_save=True, keep_latest=100_000, keep_every_steps=0,
             save_on_preemption=False, resume_step=-1,
         )  # fmt: skip
-        mngr = CheckpointManager(f"gs://{BUCKET}/{name}/checkpoints", manager_options(ckpt), PreemptionNotice(True))
+        mngr = CheckpointManager(f"gs://{BUCKET}/{name}/checkpoints", manager_options(ckpt), PreemptionNotice(False))
     state = trainer.init()
     step_times: list[float] = []
     saves = Saves()
