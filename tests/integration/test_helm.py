@@ -52,7 +52,7 @@ def test_cluster_role_is_least_privilege():
         "customresourcedefinitions",
     }
     pod_rule = next(rule for rule in role["rules"] if rule["resources"] == ["pods"])
-    assert pod_rule["verbs"] == ["list", "watch"]
+    assert pod_rule["verbs"] == ["list", "watch", "deletecollection"]
     # Watching a namespace list adds only read access to namespaces.
     [scoped] = [d for d in render("watchNamespaces={ml,research}") if d["kind"] == "ClusterRole"]
     assert {"list", "watch"} == {v for r in scoped["rules"] if "namespaces" in r["resources"] for v in r["verbs"]}

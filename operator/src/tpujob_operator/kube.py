@@ -28,6 +28,9 @@ from .jobset import (
 log = logging.getLogger(__name__)
 # Every API call carries a timeout, so a stuck connection cannot stall a reconcile forever.
 REQUEST_TIMEOUT_SECONDS = 30
+# Enough to finish writing a commit marker, not enough to block the next attempt.
+FAILED_ATTEMPT_GRACE_SECONDS = 15
+JOBSET_NAME_LABEL = "jobset.sigs.k8s.io/jobset-name"
 
 
 def load_config() -> None:
@@ -164,6 +167,20 @@ class Cluster:
             raise
 
     def delete_jobset(self, namespace: str, name: str) -> None:
+        """Tear down a finished attempt: the JobSet (Jobs follow by owner reference) and, with a short
+        grace, its pods. Workers of a failed attempt are usually stuck in a collective with a dead
+        peer; left to the pod template's long grace (meant for a preemption save) they would hold
+        their node pools and keep the replacement from scheduling for minutes."""
+        try:
+            self.core.delete_collection_namespaced_pod(
+                namespace,
+                label_selector=f"{JOBSET_NAME_LABEL}={name}",
+                grace_period_seconds=FAILED_ATTEMPT_GRACE_SECONDS,
+                _request_timeout=REQUEST_TIMEOUT_SECONDS,
+            )
+        except ApiException as error:
+            if error.status != 404:
+                raise
         try:
             self.custom.delete_namespaced_custom_object(
                 JOBSET_GROUP,
