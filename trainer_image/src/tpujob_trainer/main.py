@@ -11,6 +11,7 @@ import dataclasses
 import enum
 import logging
 import os
+import socket
 import sys
 import time
 from collections.abc import Sequence
@@ -50,8 +51,22 @@ def _init_distributed(cfg: Config) -> bool:
         coordinator_address=topo.coordinator_address,
         num_processes=topo.num_processes,
         process_id=topo.process_id,
+        coordinator_bind_address=_own_bind_address(topo.coordinator_address),
     )
     return True
+
+
+def _own_bind_address(coordinator_address: str | None) -> str | None:
+    """Process 0 serves the coordinator at the address the others dial; bind exactly that address,
+    not every interface, so jobs whose pods share a network (the devcluster's loopback pods,
+    hostNetwork pods) never collide on the port. None keeps JAX's default ([::]:port)."""
+    if not coordinator_address:
+        return None
+    host, _, port = coordinator_address.rpartition(":")
+    try:
+        return f"{socket.gethostbyname(host)}:{port}"
+    except OSError:
+        return None
 
 
 @dataclasses.dataclass
