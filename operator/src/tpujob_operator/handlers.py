@@ -11,7 +11,7 @@ import asyncio
 import logging
 from collections import defaultdict
 from datetime import UTC, datetime
-from typing import Any, cast
+from typing import Any
 
 import kopf
 from pydantic import ValidationError
@@ -118,7 +118,7 @@ def _apply(tj: api.TrainingJob, body: dict[str, Any], status: api.TrainingJobSta
     if actions.set_suspend is not None:
         kube.set_jobset_suspend(tj.namespace, *actions.set_suspend)
     for event in actions.events:
-        kopf.event(cast(kopf.Body, body), type=event.type, reason=event.reason, message=event.message)
+        kube.post_event(body, event.type, event.reason, event.message)
 
 
 def _report_invalid(body: dict[str, Any], error: ValidationError) -> None:
@@ -132,7 +132,7 @@ def _report_invalid(body: dict[str, Any], error: ValidationError) -> None:
     cluster().patch_status(
         meta["namespace"], meta["name"], status.model_dump(by_alias=True, exclude_none=True, mode="json")
     )
-    kopf.event(cast(kopf.Body, body), type="Warning", reason="InvalidSpec", message=message)
+    cluster().post_event(body, "Warning", "InvalidSpec", message)
 
 
 def reconcile_sync(namespace: str, name: str) -> float | None:

@@ -195,6 +195,31 @@ class Cluster:
             if error.status != 404:
                 raise
 
+    def post_event(self, involved: dict[str, Any], type_: str, reason: str, message: str) -> None:
+        """A core/v1 Event about a TrainingJob, as `kubectl describe` shows them. Posted directly (not
+        through kopf) so any thread or task can report, including the poller."""
+        meta = involved["metadata"]
+        moment = datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+        event = {
+            "metadata": {"generateName": f"{meta['name']}.", "namespace": meta["namespace"]},
+            "involvedObject": {
+                "apiVersion": involved.get("apiVersion", f"{api.GROUP}/{api.VERSION}"),
+                "kind": involved.get("kind", api.KIND),
+                "name": meta["name"],
+                "namespace": meta["namespace"],
+                "uid": meta.get("uid"),
+            },
+            "type": type_,
+            "reason": reason,
+            "message": message[:1024],
+            "source": {"component": "tpujob-operator"},
+            "reportingComponent": "tpujob-operator",
+            "firstTimestamp": moment,
+            "lastTimestamp": moment,
+            "count": 1,
+        }
+        self.core.create_namespaced_event(meta["namespace"], cast(Any, event), _request_timeout=REQUEST_TIMEOUT_SECONDS)
+
     def set_jobset_suspend(self, namespace: str, name: str, suspend: bool) -> None:
         self.custom.patch_namespaced_custom_object(
             JOBSET_GROUP,
