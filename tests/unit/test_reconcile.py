@@ -155,3 +155,19 @@ def test_recovery_time_is_measured_to_the_first_resumed_step():
     )
     assert status.last_failure.recovery_seconds == 42.0
     assert status.phase == "Running"
+
+
+def test_a_failed_worker_fails_the_attempt_before_the_jobset_says_so():
+    # The Job controller marks a Job failed only after the slice's other pods terminated; the
+    # operator acts on the first failed pod instead.
+    tj = training_job(status={"phase": "Running", "attempt": 0, "step": 40})
+    pods = (PodFacts("w0", 0, "Running"), PodFacts("w1", 1, "Failed", exit_code=137, finished_at=T0))
+    status, actions = reconcile(tj, Observed(now=T0, jobsets=(_active(pods=pods),), latest_committed_step=30))
+    assert status.phase == "Restarting" and status.last_failure.slice == 1
+    assert actions.delete == ["llama-a0"]
+
+
+def test_a_new_attempt_starts_its_step_from_the_committed_step():
+    tj = training_job(status={"phase": "Restarting", "attempt": 1, "step": 47, "loss": 2.0, "restarts": 1})
+    status, _ = reconcile(tj, Observed(now=T0, latest_committed_step=40))
+    assert (status.step, status.loss) == (40, None)

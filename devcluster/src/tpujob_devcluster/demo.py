@@ -23,7 +23,7 @@ from kubernetes import client, config
 from rich.console import Console
 from rich.live import Live
 from rich.table import Table
-from tpujob_operator.checkpoints import latest_committed_step, make_client, split_gs_path
+from tpujob_operator.checkpoints import latest_committed_step, make_client, read_progress, split_gs_path
 
 from .cluster import BUCKET, DevCluster, read_state
 from .controlplane import REPO_ROOT
@@ -72,13 +72,19 @@ def view(tj: dict[str, Any], timeline: Timeline, elapsed: float) -> Table:
     return table
 
 
-def kill_one_slice_worker(state_dir: Path, js_name: str) -> str:
+def kill_one_slice_worker(core: client.CoreV1Api, state_dir: Path, js_name: str) -> str:
     """SIGKILL the process of slice 1's first worker: a crash, as a dying host would look."""
-    pods = sorted((state_dir / "pods" / NAMESPACE).glob(f"{js_name}-slice-1-0-*"))
-    if not pods:
+    pods: list[Any] = core.list_namespaced_pod(
+        NAMESPACE, label_selector=f"jobset.sigs.k8s.io/jobset-name={js_name},jobset.sigs.k8s.io/job-index=1"
+    ).items
+    running = [
+        p.metadata.name for p in pods
+        if p.status.phase == "Running" and p.metadata.annotations.get("batch.kubernetes.io/job-completion-index") == "0"
+    ]  # fmt: skip
+    if not running:
         raise RuntimeError(f"no worker of slice 1 of {js_name} is running")
-    signal_pod(state_dir, NAMESPACE, pods[-1].name, signal.SIGKILL)
-    return pods[-1].name
+    signal_pod(state_dir, NAMESPACE, running[0], signal.SIGKILL)
+    return str(running[0])
 
 
 def report(tj: dict[str, Any], timeline: Timeline) -> dict[str, Any]:
@@ -94,6 +100,7 @@ def report(tj: dict[str, Any], timeline: Timeline) -> dict[str, Any]:
         "checkpoint_interval_steps_p50": statistics.median(intervals) if intervals else None,
         "restarts": status.get("restarts"),
         "failure": {"kind": failure.get("kind"), "reason": failure.get("reason"), "slice": failure.get("slice")},
+        "reported_step_at_kill": timeline.step_at_kill,
         "committed_step_at_kill": timeline.committed_at_kill,
         "resumed_from_step": resumed,
         "steps_lost": status.get("lostSteps"),
@@ -133,17 +140,14 @@ def run_demo(state_dir: Path) -> int:
                 if status.get("phase") in ("Succeeded", "Failed"):
                     break
                 committed = timeline.committed_steps[-1][1] if timeline.committed_steps else None
-                if timeline.kill_time is None and committed and (status.get("step") or 0) > committed:
+                if timeline.kill_time is None and committed is not None and status.get("phase") == "Running":
                     timeline.committed_at_kill, timeline.step_at_kill = committed, status.get("step")
-                    timeline.killed_pod = kill_one_slice_worker(state_dir, status["jobSetName"])
+                    timeline.killed_pod = kill_one_slice_worker(client.CoreV1Api(api), state_dir, status["jobSetName"])
                     timeline.kill_time = time.monotonic()
-                if (
-                    timeline.kill_time
-                    and not timeline.first_resumed_time
-                    and status.get("attempt", 0) >= 1
-                    and (status.get("step") or 0) > (status.get("resumedFromStep") or 0)
-                ):
-                    timeline.first_resumed_time = time.monotonic()
+                if timeline.kill_time and not timeline.first_resumed_time:
+                    progress = read_progress(gcs, run_dir)  # the trainer's own record, not the status
+                    if progress and progress.attempt >= 1 and progress.step > (progress.resumed_from_step or 0):
+                        timeline.first_resumed_time = time.monotonic()
                 time.sleep(0.3)
         result = report(tj, timeline)
         console.print_json(data=result)

@@ -200,13 +200,15 @@ async def on_jobset_event(type: str, namespace: str | None, labels: kopf.Labels,
 
 
 @kopf.on.event("", "v1", "pods", labels={LABEL_NAME: kopf.PRESENT, LABEL_ATTEMPT: kopf.PRESENT})
-def on_worker_pod_event(type: str, body: kopf.Body, namespace: str | None, labels: kopf.Labels, **_: Any) -> None:
+async def on_worker_pod_event(type: str, body: kopf.Body, namespace: str | None, labels: kopf.Labels, **_: Any) -> None:
     status = body.get("status") or {}
     disrupted = any(c.get("type") == "DisruptionTarget" for c in status.get("conditions") or [])
     ended = status.get("phase") in ("Failed", "Succeeded") or disrupted or body["metadata"].get("deletionTimestamp")
     if namespace and (ended or type == "DELETED"):
         key = (namespace, labels[LABEL_NAME], labels[LABEL_ATTEMPT])
         _ended_pods[key][body["metadata"]["name"]] = dict(body)
+        if status.get("phase") == "Failed":  # a worker died: react now, not at the next poll
+            await reconcile_job(namespace, labels[LABEL_NAME])
 
 
 async def _poll_forever() -> None:

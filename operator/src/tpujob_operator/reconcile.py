@@ -44,7 +44,10 @@ def reconcile(tj: TrainingJob, observed: Observed) -> tuple[TrainingJobStatus, A
         status.completion_time = rfc3339(now)
         actions.events.append(Event("Normal", "Succeeded", f"training finished at step {status.step}"))
         return with_phase(status, "Succeeded", "JobSetCompleted", f"JobSet {current.name} completed", now), actions
-    if current.state == "Failed":
+    # A failed worker fails the attempt (every Job has backoffLimit 0). Acting on the pod, not on the
+    # JobSet's Failed condition, saves the time the Job controller spends waiting for the slice's
+    # other pods to terminate before it marks the Job failed.
+    if current.state == "Failed" or any(p.phase == "Failed" for p in current.pods):
         return _after_failure(tj, status, observed, actions, current, classify_jobset_failure(current))
     return _while_active(tj, status, observed, actions, current)
 
@@ -62,6 +65,8 @@ def _without_jobset(
     actions.requeue_after = POLL_SECONDS
     status.next_restart_time = None
     status.resumed_from_step = observed.latest_committed_step
+    if status.attempt > 0:  # training goes back to the committed step; the old attempt's numbers are gone
+        status.step, status.loss = observed.latest_committed_step, None
     where = (
         f"from committed step {observed.latest_committed_step}"
         if observed.latest_committed_step is not None
