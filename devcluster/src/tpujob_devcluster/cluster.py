@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import copy
 import json
-import math
 import os
 import shutil
 import signal
@@ -21,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import yaml
+from tpujob_operator.tpu import SliceShape, slice_shape
 
 from .certs import issue_serving_cert
 from .controlplane import REPO_ROOT, Component, ControlPlane, build_binaries, free_port, http_ok
@@ -31,7 +31,6 @@ DEFAULT_STATE_DIR = REPO_ROOT / ".devcluster"
 POOLS_FILE = REPO_ROOT / "devcluster" / "pools.yaml"
 IMAGES_FILE = REPO_ROOT / "devcluster" / "images.yaml"
 BUCKET = "tpujob-demo"
-TPU_CHIPS_PER_HOST = {"tpu-v5p-slice": 4, "tpu-v4-podslice": 4, "tpu-v5-lite-podslice": 4, "tpu-v6e-slice": 4}
 # kwok must keep nodes alive but leave pods to the pod runner: one Pod stage that matches nothing
 # replaces kwok's default pod stages (kwok uses its defaults only for kinds with no stage at all).
 KWOK_CONFIG = """\
@@ -54,10 +53,9 @@ class Pool:
     topology: str
 
     @property
-    def hosts(self) -> int:
-        chips = math.prod(int(d) for d in self.topology.split("x"))
-        per_host = TPU_CHIPS_PER_HOST[self.accelerator]
-        return max(1, chips // per_host)
+    def shape(self) -> SliceShape:
+        """Hosts and chips per host from the operator's own TPU table, so the two never disagree."""
+        return slice_shape(self.accelerator, self.topology)
 
 
 def load_pools(path: Path = POOLS_FILE) -> tuple[list[Pool], int]:
@@ -69,7 +67,7 @@ def node_manifests(pools: list[Pool], system_nodes: int) -> list[dict[str, Any]]
     """Node objects as GKE TPU node pools present them: one node per TPU host."""
     nodes = []
     for pool in pools:
-        for index in range(pool.hosts):
+        for index in range(pool.shape.hosts):
             nodes.append(
                 _node(
                     f"gke-{pool.name}-{index}",
@@ -78,7 +76,7 @@ def node_manifests(pools: list[Pool], system_nodes: int) -> list[dict[str, Any]]
                         "cloud.google.com/gke-tpu-accelerator": pool.accelerator,
                         "cloud.google.com/gke-tpu-topology": pool.topology,
                     },
-                    {"google.com/tpu": str(TPU_CHIPS_PER_HOST[pool.accelerator])},
+                    {"google.com/tpu": str(pool.shape.chips_per_host)},
                     [{"key": "google.com/tpu", "value": "present", "effect": "NoSchedule"}],
                 )
             )
