@@ -158,7 +158,8 @@ class PodRunner:
         with self.hosts_lock:
             path.parent.mkdir(parents=True, exist_ok=True)
             lines = path.read_text().splitlines() if path.exists() else ["127.0.0.1 localhost"]
-            lines = [line for line in lines if not any(line.endswith(" " + n) or f" {n} " in line for n in names[:1])]
+            # A pod name seen again (a replacement pod) takes its new address: drop the old line.
+            lines = [line for line in lines if names[0] not in line.split()[1:]]
             lines.append(f"{ip} {' '.join(names)}")
             # Rewritten in place (not renamed): the file is bind-mounted by inode into running pods.
             with path.open("r+" if path.exists() else "w") as handle:

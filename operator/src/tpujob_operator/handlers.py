@@ -111,8 +111,7 @@ def _apply(tj: api.TrainingJob, body: dict[str, Any], status: api.TrainingJobSta
     for name in actions.delete:
         kube.delete_jobset(tj.namespace, name)
     if actions.create_attempt is not None:
-        tj_with_uid = tj.model_copy(update={"metadata": body["metadata"]})
-        manifest = build_jobset(tj_with_uid, actions.create_attempt, actions.resume_step)
+        manifest = build_jobset(tj, actions.create_attempt, actions.resume_step)
         if not kube.create_jobset(tj.namespace, manifest):
             log.info("JobSet %s already exists (adopted)", manifest["metadata"]["name"])
     if actions.set_suspend is not None:
