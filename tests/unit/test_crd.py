@@ -1,6 +1,6 @@
 from pathlib import Path
 
-from tpujob_operator import crd
+from tpujob_operator import api, crd
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -46,3 +46,71 @@ def test_every_spec_field_has_a_description_for_kubectl_explain():
 def test_printer_columns():
     columns = crd.build_crd()["spec"]["versions"][0]["additionalPrinterColumns"]
     assert [c["name"] for c in columns] == ["Phase", "Step", "Checkpoint", "Restarts", "Age"]
+
+
+def _spec_schema():
+    return crd.build_crd()["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"]
+
+
+def test_every_number_in_the_spec_has_a_maximum():
+    """Nothing a user writes can overflow a computation (restart.backoffSeconds: 1e12 once did)."""
+    unbounded = [
+        path
+        for path, node in _walk(_spec_schema())
+        if node.get("type") in ("integer", "number") and "maximum" not in node
+    ]
+    assert unbounded == []
+
+
+def test_every_list_and_map_in_the_spec_has_a_size_limit():
+    """The apiserver refuses CEL rules whose estimated cost is unbounded."""
+    unbounded = [
+        path
+        for path, node in _walk(_spec_schema())
+        if (node.get("type") == "array" and "maxItems" not in node)
+        or ("additionalProperties" in node and "maxProperties" not in node)
+    ]
+    assert unbounded == []
+
+
+def test_strings_that_cel_inspects_have_a_max_length():
+    spec = _spec_schema()
+    for path, node in _walk(spec):
+        if node.get("type") == "string" and "x-kubernetes-validations" in node:
+            assert "maxLength" in node, path
+    assert "maxLength" in spec["properties"]["env"]["items"]["properties"]["name"]
+    assert "maxLength" in spec["properties"]["tpu"]["properties"]["topology"]
+
+
+def test_every_spec_rule_message_names_a_field():
+    messages = [
+        rule["message"] for _, node in _walk(_spec_schema()) for rule in node.get("x-kubernetes-validations", [])
+    ]
+    assert len(messages) >= 12
+    assert [m for m in messages if not m.startswith("spec.")] == []
+
+
+def test_reserved_env_rule_is_generated_from_the_constant():
+    env = _spec_schema()["properties"]["env"]["items"]
+    assert env["properties"]["name"]["pattern"] == "^[-._a-zA-Z][-._a-zA-Z0-9]*$"
+    (reserved,) = [r for r in env["x-kubernetes-validations"] if r.get("fieldPath") == ".name"]
+    for name in api.OPERATOR_ENV_NAMES:
+        assert f"'{name}'" in reserved["rule"]
+    for prefix in api.OPERATOR_ENV_PREFIXES:
+        assert f"!self.name.startsWith('{prefix}')" in reserved["rule"]
+    assert "self.name" in reserved["messageExpression"]
+
+
+def test_new_spec_rules_are_in_the_schema():
+    spec = _spec_schema()["properties"]
+    restart = [r["rule"] for r in spec["restart"]["x-kubernetes-validations"]]
+    assert restart == ["self.maxBackoffSeconds >= self.backoffSeconds"]
+    for field in ("requests", "limits"):
+        node = spec["resources"]["properties"][field]
+        rules = " ".join(r["rule"] for r in node["x-kubernetes-validations"])
+        assert "'google.com/tpu' in self" in rules and "isQuantity(" in rules, field
+        assert node["maxProperties"] == api.MAX_RESOURCES
+    directory = spec["checkpoint"]["properties"]["directory"]
+    assert len(directory["x-kubernetes-validations"]) == 2
+    assert spec["restart"]["properties"]["backoffSeconds"]["maximum"] == 604_800
+    assert spec["env"]["maxItems"] == 256 and spec["args"]["maxItems"] == 1024

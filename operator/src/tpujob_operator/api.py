@@ -7,9 +7,10 @@ and the field live together.
 
 from __future__ import annotations
 
+import re
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, JsonValue
+from pydantic import BaseModel, ConfigDict, Field, JsonValue, ValidationInfo, field_validator, model_validator
 from pydantic.alias_generators import to_camel
 
 from .tpu import ACCELERATORS
@@ -23,19 +24,122 @@ SHORT_NAMES = ["tj"]
 # hostname under the 63-character DNS label limit for up to 999 attempts and slices.
 MAX_NAME_LENGTH = 40
 
+# Upper bounds of the spec's numbers: every value the operator computes with (backoff, deadlines,
+# datetimes) stays in range, and the CEL cost estimate of every rule stays within budget.
+MAX_SECONDS = 7 * 24 * 3600  # restart backoff and every stage timeout: at most a week
+MAX_MIN_INTERVAL_SECONDS = 24 * 3600
+MAX_RESTARTS = 10_000
+MAX_KEEP_LATEST = 1000
+MAX_STEPS = 1_000_000_000
+MAX_ENV = 256
+MAX_ENV_NAME_LENGTH = 256
+MAX_COMMAND = 256
+MAX_ARGS = 1024
+MAX_RESOURCES = 32
+TPU_RESOURCE_NAME = "google.com/tpu"  # set by the operator from the slice shape (jobset.TPU_RESOURCE)
+
+# Environment variables the operator sets in every worker (jobset.trainer_env): the
+# operator <-> trainer contract. spec.env may not name them; a test builds a JobSet and checks
+# that every variable the operator adds is covered here, so the two cannot drift.
+OPERATOR_ENV_NAMES: tuple[str, ...] = (
+    "TPUJOB_NAME",
+    "TPUJOB_NAMESPACE",
+    "TPUJOB_UID",
+    "TPUJOB_ATTEMPT",
+    "TPUJOB_RESUME_STEP",
+    "TPUJOB_RUN_DIR",
+    "TPUJOB_NUM_SLICES",
+    "TPUJOB_HOSTS_PER_SLICE",
+    "TPUJOB_SLICE_ID",
+    "TPUJOB_COORDINATOR_ADDRESS",
+    "TPUJOB_STORAGE_WAIT_SECONDS",
+)
+OPERATOR_ENV_PREFIXES: tuple[str, ...] = ("TPUJOB_CHECKPOINT_", "MEGASCALE_")
+# Kubernetes' rule for container env names.
+ENV_NAME_PATTERN = r"^[-._a-zA-Z][-._a-zA-Z0-9]*$"
+
+
+def is_operator_env(name: str) -> bool:
+    """Whether the operator itself sets this variable in the trainer container."""
+    return name in OPERATOR_ENV_NAMES or name.startswith(OPERATOR_ENV_PREFIXES)
+
+
 Accelerator = Literal["tpu-v4-podslice", "tpu-v5p-slice", "tpu-v5-lite-podslice", "tpu-v6e-slice"]
 assert set(Accelerator.__args__) == set(ACCELERATORS), "Accelerator literal drifted from tpu.ACCELERATORS"  # type: ignore[attr-defined]
 
 Phase = Literal["Pending", "Running", "Restarting", "Suspended", "Succeeded", "Failed"]
-FailureKind = Literal["Preemption", "ApplicationError", "Hang", "NodeLost", "Unknown"]
+FailureKind = Literal[
+    "Preemption",
+    "ApplicationError",
+    "Hang",
+    "StartupTimeout",
+    "SchedulingTimeout",
+    "NodeLost",
+    "StorageUnavailable",
+    "CheckpointIncompatible",
+    "Unknown",
+]
+# Which clock a live job is on; each has its own deadline (spec.restart.*TimeoutSeconds).
+Stage = Literal["Scheduling", "StartingUp", "Training", "BackingOff", "Suspended", "Finished"]
 
 
-def cel(rule: str, message: str, field_path: str | None = None) -> dict[str, JsonValue]:
-    """One x-kubernetes-validations entry; the message always names the field it is about."""
+def cel(
+    rule: str, message: str, field_path: str | None = None, message_expression: str | None = None
+) -> dict[str, JsonValue]:
+    """One x-kubernetes-validations entry; the message always names the field it is about.
+
+    A messageExpression (CEL, evaluated on a failure) can name the offending value; the static
+    message stays as the fallback the apiserver uses when the expression cannot be evaluated.
+    """
     validation: dict[str, JsonValue] = {"rule": rule, "message": message}
+    if message_expression:
+        validation["messageExpression"] = message_expression
     if field_path:
         validation["fieldPath"] = field_path
     return validation
+
+
+def _cel_list(values: tuple[str, ...]) -> str:
+    return "[" + ", ".join(f"'{v}'" for v in values) + "]"
+
+
+RESERVED_ENV_MESSAGE = "spec.env[].name must not name a variable the operator sets: " + ", ".join(
+    [*OPERATOR_ENV_NAMES, *(f"{p}*" for p in OPERATOR_ENV_PREFIXES)]
+)
+ENV_VALUE_AND_VALUE_FROM_MESSAGE = "spec.env[].value and spec.env[].valueFrom are mutually exclusive"
+TPU_RESOURCE_MESSAGE = (
+    f"spec.resources.{{field}} must not set {TPU_RESOURCE_NAME}: the operator requests the slice's TPU chips itself"
+)
+QUANTITY_MESSAGE = "spec.resources.{field} values must be non-negative Kubernetes quantities (e.g. 4, 500m, 16Gi, 1.5)"
+DIRECTORY_EMPTY_SEGMENT_MESSAGE = "spec.checkpoint.directory must not contain an empty path segment (//)"
+DIRECTORY_DOT_SEGMENT_MESSAGE = "spec.checkpoint.directory must not contain a . or .. path segment"
+BACKOFF_MESSAGE = "spec.restart.maxBackoffSeconds must be at least spec.restart.backoffSeconds"
+
+# Kubernetes' quantity grammar (k8s.io/apimachinery resource.ParseQuantity): a number, optionally
+# signed, then a binary-SI suffix, a decimal-SI suffix or a decimal exponent.
+_QUANTITY = re.compile(r"^[+-]?(\d+(\.\d*)?|\.\d+)([KMGTPE]i|[numkMGTPE]|[eE][+-]?\d+)?$")
+
+
+def is_quantity(value: int | str) -> bool:
+    """A non-negative Kubernetes quantity (what the CRD's isQuantity()/sign() rule accepts)."""
+    if isinstance(value, int):
+        return value >= 0
+    match = _QUANTITY.match(value)
+    if match is None:
+        return False
+    return not (value.startswith("-") and any(c in "123456789" for c in match.group(1)))
+
+
+def _resource_rules(field: str) -> list[dict[str, JsonValue]]:
+    return [
+        cel(f"!('{TPU_RESOURCE_NAME}' in self)", TPU_RESOURCE_MESSAGE.format(field=field)),
+        cel(
+            # int-or-string: an integer arrives as a CEL int, anything else as a string.
+            "self.all(k, type(self[k]) == int ? self[k] >= 0 : "
+            "(isQuantity(string(self[k])) && quantity(string(self[k])).sign() >= 0))",
+            QUANTITY_MESSAGE.format(field=field),
+        ),
+    ]
 
 
 class ApiModel(BaseModel):
@@ -45,21 +149,84 @@ class ApiModel(BaseModel):
 
 
 class EnvVar(ApiModel):
-    name: str = Field(min_length=1, description="Environment variable name.")
+    model_config = ConfigDict(
+        json_schema_extra={
+            "x-kubernetes-validations": [
+                cel(
+                    f"!(self.name in {_cel_list(OPERATOR_ENV_NAMES)})"
+                    + "".join(f" && !self.name.startsWith('{p}')" for p in OPERATOR_ENV_PREFIXES),
+                    RESERVED_ENV_MESSAGE,
+                    ".name",
+                    message_expression=(
+                        "'spec.env[].name ' + self.name + ' is set by the operator and cannot be set in spec.env'"
+                    ),
+                ),
+                cel(
+                    "!has(self.valueFrom) || !has(self.value) || size(self.value) == 0",
+                    ENV_VALUE_AND_VALUE_FROM_MESSAGE,
+                    ".valueFrom",
+                ),
+            ]
+        }
+    )
+
+    name: str = Field(
+        min_length=1,
+        max_length=MAX_ENV_NAME_LENGTH,
+        pattern=ENV_NAME_PATTERN,
+        description=(
+            "Environment variable name. Names the operator sets (TPUJOB_NAME, TPUJOB_RUN_DIR, ..., "
+            "TPUJOB_CHECKPOINT_*, MEGASCALE_*) are refused; trainer knobs such as TPUJOB_MODEL are allowed."
+        ),
+    )
     value: str | None = Field(default=None, description="Literal value.")
     value_from: dict[str, Any] | None = Field(
         default=None, description="Source of the value, as in a Pod's env[].valueFrom (secretKeyRef, fieldRef, ...)."
     )
 
+    @field_validator("name")
+    @classmethod
+    def _not_set_by_the_operator(cls, name: str) -> str:
+        if is_operator_env(name):
+            raise ValueError(RESERVED_ENV_MESSAGE)
+        return name
+
+    @model_validator(mode="after")
+    def _value_or_value_from(self) -> EnvVar:
+        if self.value and self.value_from is not None:
+            raise ValueError(ENV_VALUE_AND_VALUE_FROM_MESSAGE)
+        return self
+
 
 class Resources(ApiModel):
     requests: dict[str, int | str] | None = Field(
         default=None,
-        description="Extra container resource requests (cpu, memory). google.com/tpu is set by the operator.",
+        max_length=MAX_RESOURCES,
+        description=(
+            "Extra container resource requests (cpu, memory), as Kubernetes quantities. "
+            "google.com/tpu is set by the operator and refused here."
+        ),
+        json_schema_extra={"x-kubernetes-validations": _resource_rules("requests")},  # type: ignore[dict-item]
     )
     limits: dict[str, int | str] | None = Field(
-        default=None, description="Extra container resource limits. google.com/tpu is set by the operator."
+        default=None,
+        max_length=MAX_RESOURCES,
+        description=(
+            "Extra container resource limits, as Kubernetes quantities. "
+            "google.com/tpu is set by the operator and refused here."
+        ),
+        json_schema_extra={"x-kubernetes-validations": _resource_rules("limits")},  # type: ignore[dict-item]
     )
+
+    @field_validator("requests", "limits")
+    @classmethod
+    def _quantities(cls, values: dict[str, int | str] | None, info: ValidationInfo) -> dict[str, int | str] | None:
+        field = str(info.field_name)
+        if values is not None and TPU_RESOURCE_NAME in values:
+            raise ValueError(TPU_RESOURCE_MESSAGE.format(field=field))
+        if values is not None and not all(is_quantity(v) for v in values.values()):
+            raise ValueError(QUANTITY_MESSAGE.format(field=field))
+        return values
 
 
 class TpuSpec(ApiModel):
@@ -81,6 +248,7 @@ class TpuSpec(ApiModel):
         description="GKE TPU accelerator, as on the node label cloud.google.com/gke-tpu-accelerator."
     )
     topology: str = Field(
+        max_length=32,
         pattern=r"^[0-9]+x[0-9]+(x[0-9]+)?$",
         description="Slice topology, as on the node label cloud.google.com/gke-tpu-topology (e.g. 2x2x2, 4x4).",
     )
@@ -88,9 +256,12 @@ class TpuSpec(ApiModel):
 
 
 class KeepSpec(ApiModel):
-    latest: int = Field(default=3, ge=1, description="Keep the latest N committed checkpoints.")
+    latest: int = Field(default=3, ge=1, le=MAX_KEEP_LATEST, description="Keep the latest N committed checkpoints.")
     every_steps: int | None = Field(
-        default=None, ge=1, description="Also keep every checkpoint whose step is a multiple of this, forever."
+        default=None,
+        ge=1,
+        le=MAX_STEPS,
+        description="Also keep every checkpoint whose step is a multiple of this, forever.",
     )
 
 
@@ -112,8 +283,15 @@ class CheckpointSpec(ApiModel):
         max_length=1024,
         description=(
             "GCS location, gs://bucket[/prefix]. Checkpoints are written under "
-            "<directory>/<namespace>/<name>/checkpoints/<step>."
+            "<directory>/<namespace>/<name>/checkpoints/<step>. Empty (//), . and .. path segments are "
+            "refused; a single trailing slash is allowed and ignored (gs://b/p/ is the same as gs://b/p)."
         ),
+        json_schema_extra={
+            "x-kubernetes-validations": [
+                cel("!self.matches('^gs://.*//')", DIRECTORY_EMPTY_SEGMENT_MESSAGE),
+                cel("!self.matches('/[.][.]?(/|$)')", DIRECTORY_DOT_SEGMENT_MESSAGE),
+            ]
+        },
     )
     policy: Literal["continuous", "interval"] = Field(
         default="continuous",
@@ -123,9 +301,14 @@ class CheckpointSpec(ApiModel):
         ),
     )
     min_interval_seconds: float = Field(
-        default=0, ge=0, description="Floor between two continuous saves, in seconds (0: back to back)."
+        default=0,
+        ge=0,
+        le=MAX_MIN_INTERVAL_SECONDS,
+        description="Floor between two continuous saves, in seconds (0: back to back).",
     )
-    interval_steps: int | None = Field(default=None, ge=1, description="Steps between saves for the interval policy.")
+    interval_steps: int | None = Field(
+        default=None, ge=1, le=MAX_STEPS, description="Steps between saves for the interval policy."
+    )
     async_: bool = Field(
         default=True, alias="async", description="Save asynchronously (training continues while the save is written)."
     )
@@ -138,30 +321,90 @@ class CheckpointSpec(ApiModel):
         default=True, description="On SIGTERM (preemption, maintenance), save the current step before exiting."
     )
 
+    @field_validator("directory")
+    @classmethod
+    def _clean_path(cls, directory: str) -> str:
+        path = directory.removeprefix("gs://")
+        if "//" in path:
+            raise ValueError(DIRECTORY_EMPTY_SEGMENT_MESSAGE)
+        if any(segment in (".", "..") for segment in path.split("/")):
+            raise ValueError(DIRECTORY_DOT_SEGMENT_MESSAGE)
+        return directory
+
 
 class RestartSpec(ApiModel):
+    model_config = ConfigDict(
+        json_schema_extra={
+            "x-kubernetes-validations": [
+                cel("self.maxBackoffSeconds >= self.backoffSeconds", BACKOFF_MESSAGE, ".maxBackoffSeconds")
+            ]
+        }
+    )
+
     max_restarts: int = Field(
-        default=3, ge=0, description="Restarts allowed for failures that count against the budget."
+        default=3, ge=0, le=MAX_RESTARTS, description="Restarts allowed for failures that count against the budget."
     )
     backoff_seconds: int = Field(
-        default=10, ge=0, description="Wait before the first restart; doubles with each counted restart."
+        default=10,
+        ge=0,
+        le=MAX_SECONDS,
+        description="Wait before the first restart; doubles with each counted restart.",
     )
-    max_backoff_seconds: int = Field(default=300, ge=0, description="Upper bound of the restart backoff.")
+    max_backoff_seconds: int = Field(
+        default=300, ge=0, le=MAX_SECONDS, description="Upper bound of the restart backoff."
+    )
     count_preemptions: bool = Field(
         default=False, description="Whether preemptions and maintenance events count against maxRestarts."
     )
     hang_timeout_seconds: int = Field(
         default=1800,
         ge=0,
-        description="No step progress for this long while running counts as a failure (0 disables hang detection).",
+        le=MAX_SECONDS,
+        description=(
+            "Training stage: no new step for this long counts as a Hang (0 disables). Its clock starts at the "
+            "attempt's first step and never runs while checkpoint storage is unreachable."
+        ),
     )
+    startup_timeout_seconds: int = Field(
+        default=3600,
+        ge=0,
+        le=MAX_SECONDS,
+        description=(
+            "Start-up stage (all pods scheduled, no step yet: image pull, restore, compilation): a limit on its "
+            "length, counted as a StartupTimeout (0 disables)."
+        ),
+    )
+    scheduling_timeout_seconds: int = Field(
+        default=0,
+        ge=0,
+        le=MAX_SECONDS,
+        description=(
+            "Scheduling stage (not every worker pod scheduled yet, e.g. waiting for TPU capacity): a limit on its "
+            "length, counted as a SchedulingTimeout. 0 (the default) waits for capacity forever."
+        ),
+    )
+
+    @model_validator(mode="after")
+    def _backoff_within_bound(self) -> RestartSpec:
+        if self.max_backoff_seconds < self.backoff_seconds:
+            raise ValueError(BACKOFF_MESSAGE)
+        return self
 
 
 class TrainingJobSpec(ApiModel):
     image: str = Field(min_length=1, description="Trainer container image.")
-    command: list[str] | None = Field(default=None, description="Container entrypoint (defaults to the image's).")
-    args: list[str] | None = Field(default=None, description="Arguments to the entrypoint.")
-    env: list[EnvVar] | None = Field(default=None, description="Extra environment for the trainer container.")
+    command: list[str] | None = Field(
+        default=None, max_length=MAX_COMMAND, description="Container entrypoint (defaults to the image's)."
+    )
+    args: list[str] | None = Field(default=None, max_length=MAX_ARGS, description="Arguments to the entrypoint.")
+    env: list[EnvVar] | None = Field(
+        default=None,
+        max_length=MAX_ENV,
+        description=(
+            "Extra environment for the trainer container. Variables the operator sets (the trainer contract) "
+            "cannot be set here."
+        ),
+    )
     resources: Resources | None = Field(default=None, description="Extra container resources besides the TPU chips.")
     service_account_name: str | None = Field(
         default=None,
@@ -226,6 +469,14 @@ class TrainingJobStatus(ApiModel):
     last_progress_time: str | None = None
     checkpoint_storage_error: str | None = Field(
         default=None, description="Why the checkpoint directory could not be read, while it cannot."
+    )
+    stage: Stage | None = Field(default=None, description="Which clock the job is on now.")
+    stage_start_time: str | None = Field(
+        default=None, description="When the current stage's clock started (restarts after a suspension ends)."
+    )
+    storage_recovery_time: str | None = Field(
+        default=None,
+        description="When checkpoint storage became readable again after an outage; no clock counts the outage.",
     )
 
 
