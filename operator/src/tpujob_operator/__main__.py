@@ -1,33 +1,77 @@
-"""`python -m tpujob_operator`: run the operator (kopf) with a liveness endpoint."""
+"""`python -m tpujob_operator`: run the operator (kopf) with a liveness endpoint.
+
+With leader election (the default) the process first campaigns for the Lease and starts kopf only
+once it leads; losing the Lease ends the process (see leader.py).
+"""
 
 from __future__ import annotations
 
 import argparse
 import asyncio
 import logging
+import os
 
 import kopf
 
-from . import handlers  # noqa: F401  (registers the handlers)
+from . import handlers, leader  # noqa: F401  (importing handlers registers them)
+from .kube import load_config
+
+log = logging.getLogger("tpujob")
 
 
-def main(argv: list[str] | None = None) -> None:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description="tpujob operator")
     parser.add_argument("--namespace", action="append", help="watch only these namespaces (default: all)")
     parser.add_argument("--liveness", default="http://0.0.0.0:8080/healthz", help="liveness endpoint URL")
     parser.add_argument("--verbose", action="store_true")
+    election = parser.add_argument_group("leader election (one active operator per Lease)")
+    election.add_argument("--leader-elect", action=argparse.BooleanOptionalAction, default=True)
+    election.add_argument("--leader-election-namespace", help="Lease namespace (default: POD_NAMESPACE)")
+    election.add_argument("--leader-election-id", default=leader.DEFAULT_LEASE_NAME, help="Lease name")
+    election.add_argument("--lease-duration", type=int, default=15, metavar="SECONDS")
+    election.add_argument("--renew-deadline", type=int, default=10, metavar="SECONDS")
+    election.add_argument("--retry-period", type=int, default=2, metavar="SECONDS")
     args = parser.parse_args(argv)
+    if args.leader_elect and (problem := election_settings(args, identity="-").problem()):
+        parser.error(problem)
+    return args
+
+
+def election_settings(args: argparse.Namespace, identity: str) -> leader.ElectionSettings:
+    return leader.ElectionSettings(
+        namespace=leader.lease_namespace(args.leader_election_namespace, os.environ),
+        identity=identity,
+        lease_name=args.leader_election_id,
+        lease_duration=args.lease_duration,
+        renew_deadline=args.renew_deadline,
+        retry_period=args.retry_period,
+    )
+
+
+async def run(args: argparse.Namespace) -> None:
+    if args.leader_elect:
+        load_config()  # the client's LeaseLock uses the default API client
+        elector = leader.Elector(election_settings(args, leader.default_identity()))
+        settings = elector.settings
+        log.info("campaigning as %s for Lease %s/%s", settings.identity, settings.namespace, settings.lease_name)
+        elector.start()
+        await leader.wait_until_leading(elector, args.liveness)
+    await kopf.operator(
+        clusterwide=not args.namespace,
+        namespaces=args.namespace or [],
+        liveness_endpoint=args.liveness,
+        standalone=True,  # no kopf peering: the Lease decides who runs
+    )
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
     logging.basicConfig(
         level=logging.DEBUG if args.verbose else logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s"
     )
-    asyncio.run(
-        kopf.operator(
-            clusterwide=not args.namespace,
-            namespaces=args.namespace or [],
-            liveness_endpoint=args.liveness,
-            standalone=True,
-        )
-    )
+    # The client's elector logs every renewal at INFO; our own lines cover campaigning, leading and loss.
+    logging.getLogger("leaderelection").setLevel(logging.DEBUG if args.verbose else logging.WARNING)
+    asyncio.run(run(args))
 
 
 if __name__ == "__main__":
