@@ -58,15 +58,51 @@ def test_cluster_role_is_least_privilege():
     assert {"list", "watch"} == {v for r in scoped["rules"] if "namespaces" in r["resources"] for v in r["verbs"]}
 
 
-def test_workload_identity_annotation_and_single_replica():
+def test_workload_identity_annotation_and_replicas_with_leader_election():
     docs = render("serviceAccount.annotations.iam\\.gke\\.io/gcp-service-account=op@p.iam.gserviceaccount.com")
     [account] = [d for d in docs if d["kind"] == "ServiceAccount"]
     assert account["metadata"]["annotations"] == {"iam.gke.io/gcp-service-account": "op@p.iam.gserviceaccount.com"}
     [deployment] = [d for d in docs if d["kind"] == "Deployment"]
-    assert deployment["spec"]["replicas"] == 1 and deployment["spec"]["strategy"]["type"] == "Recreate"
+    # Two replicas: only the Lease holder reconciles, the other stands by.
+    assert deployment["spec"]["replicas"] == 2 and deployment["spec"]["strategy"]["type"] == "RollingUpdate"
     container = deployment["spec"]["template"]["spec"]["containers"][0]
     assert container["livenessProbe"]["httpGet"]["path"] == "/healthz"
     assert container["securityContext"]["readOnlyRootFilesystem"] is True
+    assert {"--leader-elect", "--lease-duration=15", "--renew-deadline=10", "--retry-period=2"} <= set(
+        container["args"]
+    )
+    downward = {e["name"]: e["valueFrom"]["fieldRef"]["fieldPath"] for e in container["env"] if "valueFrom" in e}
+    assert downward == {"POD_NAME": "metadata.name", "POD_NAMESPACE": "metadata.namespace"}
+
+
+def test_leader_election_role_is_one_lease_in_the_release_namespace():
+    docs = render()
+    [role] = [d for d in docs if d["kind"] == "Role"]
+    assert role["metadata"]["namespace"] == "default"  # helm template's release namespace
+    assert {(r["resources"][0], tuple(r.get("resourceNames", [])), v) for r in role["rules"] for v in r["verbs"]} == {
+        ("leases", (), "create"),  # create cannot be limited to a name
+        ("leases", ("tpujob-operator",), "get"),
+        ("leases", ("tpujob-operator",), "update"),
+    }
+    assert all(r["apiGroups"] == ["coordination.k8s.io"] for r in role["rules"])
+    [binding] = [d for d in docs if d["kind"] == "RoleBinding"]
+    assert binding["roleRef"]["name"] == role["metadata"]["name"]
+    # A shared Lease namespace lets releases in different namespaces elect one operator among them.
+    [shared] = [d for d in render("leaderElection.namespace=ops") if d["kind"] == "Role"]
+    assert shared["metadata"]["namespace"] == "ops"
+
+
+def test_without_leader_election_only_one_replica_renders():
+    [deployment] = [d for d in render("leaderElection.enabled=false", "replicaCount=1") if d["kind"] == "Deployment"]
+    assert deployment["spec"]["replicas"] == 1 and deployment["spec"]["strategy"]["type"] == "Recreate"
+    assert "--no-leader-elect" in deployment["spec"]["template"]["spec"]["containers"][0]["args"]
+    result = subprocess.run(
+        [str(tools_dir() / "helm"), "template", "tpujob", str(CHART), "--set", "leaderElection.enabled=false"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode != 0 and "replicaCount > 1 needs leaderElection.enabled" in result.stderr
 
 
 def test_helm_install_creates_accepted_objects(control_plane, kube, namespace):
@@ -88,6 +124,8 @@ def test_helm_install_creates_accepted_objects(control_plane, kube, namespace):
     assert any("jobsets" in (rule.resources or []) for rule in role.rules)
     binding = client.RbacAuthorizationV1Api(kube).read_cluster_role_binding("tpujob")
     assert binding.subjects[0].namespace == namespace
+    lease_role = client.RbacAuthorizationV1Api(kube).read_namespaced_role("tpujob-leader-election", namespace)
+    assert lease_role.rules[0].api_groups == ["coordination.k8s.io"]
     # The Deployment controller (in kube-controller-manager) accepted it and made a ReplicaSet.
     eventually(lambda: client.AppsV1Api(kube).list_namespaced_replica_set(namespace).items, what="ReplicaSet")
     helm("uninstall", "tpujob", "--namespace", namespace, "--kubeconfig", str(control_plane.kubeconfig))

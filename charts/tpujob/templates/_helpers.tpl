@@ -22,3 +22,7 @@ app.kubernetes.io/instance: {{ .Release.Name }}
 {{- define "tpujob.serviceAccountName" -}}
 {{- default (include "tpujob.fullname" .) .Values.serviceAccount.name -}}
 {{- end -}}
+
+{{- define "tpujob.leaseNamespace" -}}
+{{- default .Release.Namespace .Values.leaderElection.namespace -}}
+{{- end -}}

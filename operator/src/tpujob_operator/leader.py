@@ -223,7 +223,12 @@ async def wait_until_leading(elector: Elector, liveness: str | None) -> None:
         app.router.add_get(path, healthz)
         runner = web.AppRunner(app, handle_signals=False, shutdown_timeout=1.0)
         await runner.setup()
-        await web.TCPSite(runner, host, port).start()
+        try:
+            await web.TCPSite(runner, host, port).start()
+        except OSError as error:
+            # Only where pods share a network (the devcluster's pod runner) is the leader's port taken;
+            # on Kubernetes a follower without this endpoint would fail its probe and be restarted.
+            log.warning("liveness endpoint %s unavailable while following: %s", liveness, error)
     try:
         # A threading.Event cannot be awaited; polling it costs nothing and keeps the loop cancellable.
         while not elector.leading.is_set():
