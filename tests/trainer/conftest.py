@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 from tpujob_devcluster.fakegcs import FakeGcsServer, start_fake_gcs
 
+from tests.trainer.faults import RestartableGcs
 from tests.trainer.procs import BUCKET, Job
 
 
@@ -42,6 +43,7 @@ def trainer_env(gcs: FakeGcsServer, tmp_path_factory: pytest.TempPathFactory) ->
         "PYTHONUNBUFFERED": "1",
         "TPUJOB_PROGRESS_INTERVAL_SECONDS": "0.5",
         "TPUJOB_STORAGE_TIMEOUT_SECONDS": "10",
+        "TPUJOB_STORAGE_WAIT_SECONDS": "120",  # tests that need storage to fail set less
         "TPUJOB_LOG_EVERY": "1",
     }
 
@@ -55,6 +57,27 @@ def run_name() -> str:
 def job(gcs: FakeGcsServer, trainer_env: dict[str, str], tmp_path: Path, run_name: str) -> Iterator[Job]:
     """A fresh run directory gs://BUCKET/tests/<name>; processes still running at teardown are killed."""
     job = Job(gcs=gcs, base_env=trainer_env, log_dir=tmp_path, name=run_name)
+    try:
+        yield job
+    finally:
+        job.kill_all()
+
+
+@pytest.fixture
+def faulty_gcs(tmp_path: Path) -> Iterator[RestartableGcs]:
+    """An emulator of this test's own, to stop, restart and hang without disturbing the others."""
+    server = RestartableGcs.launch(tmp_path / "gcs-data")
+    try:
+        server.create_bucket(BUCKET)
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture
+def faulty_job(faulty_gcs: RestartableGcs, trainer_env: dict[str, str], tmp_path: Path, run_name: str) -> Iterator[Job]:
+    """Like `job`, on the faulty_gcs emulator."""
+    job = Job(gcs=faulty_gcs, base_env={**trainer_env, **faulty_gcs.env()}, log_dir=tmp_path, name=run_name)
     try:
         yield job
     finally:

@@ -98,7 +98,8 @@ def test_local_run_dir_skips_unrenamed_tmp_step(job: Job, tmp_path: Path) -> Non
     ],
 )
 def test_unusable_storage_fails_fast_with_exit_3(job: Job, tmp_path: Path, case: str, expected: str) -> None:
-    env: dict[str, str] = {"TPUJOB_STORAGE_TIMEOUT_SECONDS": "8"}
+    # A short wait: storage that stays unusable is given up on after TPUJOB_STORAGE_WAIT_SECONDS.
+    env: dict[str, str] = {"TPUJOB_STORAGE_TIMEOUT_SECONDS": "8", "TPUJOB_STORAGE_WAIT_SECONDS": "3"}
     if case == "unreachable endpoint":
         dead = "http://127.0.0.1:9"  # discard port: nothing listens
         env |= {"STORAGE_EMULATOR_HOST": dead, "TENSORSTORE_GCS_HTTP_URL": dead}
@@ -113,7 +114,7 @@ def test_unusable_storage_fails_fast_with_exit_3(job: Job, tmp_path: Path, case:
     codes = attempt.wait(90)
     out = attempt.output()
     assert codes == [3], out
-    assert "checkpoint storage unusable at start" in out
+    assert "checkpoint storage unusable at start" in out and "gave up after" in out
     assert time.monotonic() - start < 60
     if case != "unreachable endpoint":  # refused connections may also surface as an error, not a timeout
         assert expected in out

@@ -4,19 +4,27 @@ the start-up storage probe, and the commit rule the operator shares.
 
 from __future__ import annotations
 
+import enum
+import logging
 import signal
 import threading
+import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
 from types import FrameType
 from typing import Any
 
+import jax
+import numpy as np
 import orbax.checkpoint as ocp
 from etils import epath
 from jax.experimental import multihost_utils
 from orbax.checkpoint import checkpoint_managers as cm
 
 from tpujob_trainer.config import CheckpointConfig, ConfigError
+from tpujob_trainer.progress import RestoreFailure, short_error
+
+log = logging.getLogger("tpujob_trainer")
 
 # Orbax 0.12.8's marker for a finalized step on gs:// (CommitFileTemporaryPath). On a local path
 # the marker is the rename of `<step>.orbax-checkpoint-tmp` to `<step>` (AtomicRenameTemporaryPath).
@@ -26,6 +34,16 @@ TMP_SUFFIX = ".orbax-checkpoint-tmp"
 
 class StorageError(RuntimeError):
     """The checkpoint storage is unreachable or unwritable (exit code 3)."""
+
+
+class CheckpointIncompatible(RuntimeError):
+    """No committed step could be restored (exit code 4): the checkpoints do not fit this trainer
+    (another --model, say) or are all damaged. Nothing was deleted."""
+
+    def __init__(self, failures: Sequence[RestoreFailure]):
+        self.failures = tuple(failures)
+        tried = ", ".join(f"{f.step} ({f.error})" for f in self.failures)
+        super().__init__(f"no committed checkpoint could be restored; tried {tried}")
 
 
 def save_policy(cfg: CheckpointConfig) -> cm.SaveDecisionPolicy:
@@ -91,7 +109,8 @@ class PreemptionNotice:
 
 
 class CheckpointManager(ocp.CheckpointManager):  # type: ignore[misc]  # orbax ships no type hints
-    """Orbax's manager, with preemption decided by PreemptionNotice (also for a single process)."""
+    """Orbax's manager, with preemption decided by PreemptionNotice (also for a single process),
+    and a save that can fail without wedging the continuous policy."""
 
     def __init__(self, directory: str, options: ocp.CheckpointManagerOptions, notice: PreemptionNotice):
         self._notice = notice
@@ -100,6 +119,84 @@ class CheckpointManager(ocp.CheckpointManager):  # type: ignore[misc]  # orbax s
     def reached_preemption(self, step: int) -> bool:
         reached = self._notice.reached(step)
         return reached
+
+    def save(self, step: int, *args: Any, **kwargs: Any) -> bool:
+        try:
+            return bool(super().save(step, *args, **kwargs))
+        except BaseException:
+            # Orbax 0.12.8 marks "save in progress" before the blocking part of a save and clears it
+            # only in the finalize thread; if the blocking part raises, no thread ever clears it and
+            # ContinuousCheckpointingPolicy would never save again.
+            if not self._finalize_thread.map(lambda t: t is not None and t.is_alive()):
+                self._save_progress_tracker.set(False)
+            raise
+
+
+def restore_candidates(committed: Sequence[int], resume_step: int) -> list[int]:
+    """The chosen step (pinned or latest, see choose_restore_step) first, then older committed
+    steps, newest first: where a failed restore falls back to."""
+    chosen = choose_restore_step(committed, resume_step)
+    if chosen is None:
+        return []
+    return [chosen, *sorted((s for s in committed if s < chosen), reverse=True)]
+
+
+class _Verdict(enum.IntEnum):
+    """One restore try, as one process saw it; the largest over all processes wins."""
+
+    OK = 0
+    BROKEN = 1  # this step cannot be restored: try an older one
+    OUTAGE = 2  # storage itself failed: wait for it and try the same step again
+
+
+def _agree(verdict: _Verdict) -> _Verdict:
+    """Every process must take the same branch (restore is collective): the worst verdict wins."""
+    if jax.process_count() == 1:
+        return verdict
+    return _Verdict(int(np.max(multihost_utils.process_allgather(np.int32(verdict)))))
+
+
+def agree_all(ok: bool) -> bool:
+    """True iff `ok` on every process (a collective when there is more than one)."""
+    return _agree(_Verdict.OK if ok else _Verdict.BROKEN) == _Verdict.OK
+
+
+def restore_with_fallback(
+    restore: Callable[[int], Any],
+    candidates: Sequence[int],
+    storage_ok: Callable[[], bool],
+    wait_for_storage: Callable[[], None],
+    max_outages: int = 5,
+) -> tuple[Any, int, list[RestoreFailure]]:
+    """Restore the first candidate that works: (state, step, the failures of newer candidates).
+
+    A step is only given up for an older one when storage itself answers (storage_ok()): a failed
+    read during an outage says nothing about the checkpoint. Raises CheckpointIncompatible when no
+    candidate works, StorageError when storage stays down.
+    """
+    failures: list[RestoreFailure] = []
+    for step in candidates:
+        for _ in range(max_outages + 1):
+            error: BaseException | None = None
+            try:
+                state = restore(step)
+                verdict = _Verdict.OK
+            except Exception as err:
+                error = err
+                verdict = _Verdict.BROKEN if storage_ok() else _Verdict.OUTAGE
+            verdict = _agree(verdict)
+            if verdict == _Verdict.OK:
+                return state, step, failures
+            if verdict == _Verdict.BROKEN:
+                text = short_error(error) if error else "failed on another process"
+                log.warning("resume: step %d cannot be restored (%s); trying an older committed step", step, text)
+                failures.append(RestoreFailure(step, text))
+                break
+            log.warning("resume: storage failed while restoring step %d; waiting for it, then retrying", step)
+            wait_for_storage()
+        else:
+            raise StorageError(f"storage kept failing while restoring step {step}")
+    raise CheckpointIncompatible(failures)
 
 
 def choose_restore_step(committed: Sequence[int], resume_step: int) -> int | None:
@@ -129,6 +226,47 @@ def _probe(run_dir: str, name: str) -> None:
     if probe.read_text() != payload:
         raise OSError(f"read back different content from {probe}")
     probe.unlink()
+
+
+def backoff_delays(first_s: float = 1.0, cap_s: float = 30.0) -> Iterator[float]:
+    """1, 2, 4, ... seconds, capped at cap_s."""
+    delay = first_s
+    while True:
+        yield delay
+        delay = min(delay * 2, cap_s)
+
+
+def wait_for_storage(
+    run_dir: str,
+    name: str,
+    timeout_s: float,
+    wait_s: float,
+    sleep: Callable[[float], None] = time.sleep,
+    clock: Callable[[], float] = time.monotonic,
+) -> None:
+    """Probe storage until it works, retrying with exponential backoff (1 s doubling to 30 s).
+
+    A bucket that is briefly unreachable (a network blip, a restarting proxy) must not cost a job
+    its attempt; one that stays unusable for wait_s seconds (plus one probe) raises StorageError.
+    """
+    deadline = clock() + wait_s
+    delays = backoff_delays()
+    failures = 0
+    while True:
+        try:
+            probe_storage(run_dir, name, timeout_s)
+        except StorageError as err:
+            failures += 1
+            remaining = deadline - clock()
+            if remaining <= 0:
+                raise StorageError(f"{err}; gave up after {failures} probes in {wait_s:.0f}s") from err
+            delay = min(next(delays), remaining)
+            log.warning("storage probe %d failed: %s; retrying in %.1fs", failures, err, delay)
+            sleep(delay)
+            continue
+        if failures:
+            log.info("storage answers again after %d failed probes", failures)
+        return
 
 
 def probe_storage(run_dir: str, name: str, timeout_s: float) -> None:

@@ -96,9 +96,11 @@ class Config:
     run_dir: str | None
     job_name: str
     job_namespace: str
+    job_uid: str  # the TrainingJob's metadata.uid; "" for local runs
     attempt: int
     progress_interval_seconds: float
-    storage_timeout_seconds: float
+    storage_timeout_seconds: float  # one storage probe
+    storage_wait_seconds: float  # how long unreachable storage is waited out before exit 3
 
 
 def _int(env: Mapping[str, str], name: str, default: int) -> int:
@@ -231,7 +233,15 @@ def parse_config(argv: Sequence[str], env: Mapping[str, str]) -> Config:
         run_dir=run_dir,
         job_name=env.get("TPUJOB_NAME", ""),
         job_namespace=env.get("TPUJOB_NAMESPACE", ""),
+        job_uid=env.get("TPUJOB_UID", "").strip(),
         attempt=_int(env, "TPUJOB_ATTEMPT", 0),
         progress_interval_seconds=_float(env, "TPUJOB_PROGRESS_INTERVAL_SECONDS", 5.0),
-        storage_timeout_seconds=_float(env, "TPUJOB_STORAGE_TIMEOUT_SECONDS", 30.0),
+        storage_timeout_seconds=_storage_seconds(env, "TPUJOB_STORAGE_TIMEOUT_SECONDS", 30.0),
+        storage_wait_seconds=_storage_seconds(env, "TPUJOB_STORAGE_WAIT_SECONDS", 600.0),
     )
+
+
+def _storage_seconds(env: Mapping[str, str], name: str, default: float) -> float:
+    value = _float(env, name, default)
+    _require(value >= 0, f"{name} must be >= 0")
+    return value

@@ -1,8 +1,12 @@
 """Entry point: `tpujob-train` / `python -m tpujob_trainer`. See README.md for the contract.
 
-Exit codes (the operator classifies failures by them): 0 success, 143 stopped by SIGTERM (after
-saving the current step when save-on-preemption is on), 3 checkpoint storage unreachable or
-unwritable at start, 2 bad configuration, 1 anything else.
+Exit codes (the operator classifies failures by them):
+  0    all steps done and the final step committed;
+  143  stopped by SIGTERM (after saving the current step when save-on-preemption is on);
+  3    checkpoint storage unreachable or unwritable at start, after waiting TPUJOB_STORAGE_WAIT_SECONDS;
+  4    no committed checkpoint could be restored (another --model, or all damaged); nothing deleted;
+  2    bad configuration;
+  1    anything else (including a final save that still failed after its retries).
 """
 
 from __future__ import annotations
@@ -20,12 +24,13 @@ import jax
 import orbax.checkpoint as ocp
 
 from tpujob_trainer import checkpointing, progress
-from tpujob_trainer.checkpointing import CheckpointManager, PreemptionNotice, StorageError
+from tpujob_trainer.checkpointing import CheckpointIncompatible, CheckpointManager, PreemptionNotice, StorageError
 from tpujob_trainer.config import Config, ConfigError, parse_config
 from tpujob_trainer.data import batch_for_step
 from tpujob_trainer.train import State, Trainer, make_mesh
 
 log = logging.getLogger("tpujob_trainer")
+FINAL_SAVE_TRIES = 5  # the final / SIGTERM save: tries, 2 s doubling to 16 s apart
 
 
 class ExitCode(enum.IntEnum):
@@ -33,6 +38,7 @@ class ExitCode(enum.IntEnum):
     FAILED = 1
     BAD_CONFIG = 2
     STORAGE = 3
+    CHECKPOINT_INCOMPATIBLE = 4
     PREEMPTED = 143  # 128 + SIGTERM, what a shell or the kubelet reports for a SIGTERM death
 
 
@@ -73,16 +79,22 @@ def _own_bind_address(coordinator_address: str | None) -> str | None:
 class _Status:
     """What progress.json reports; updated by the training loop."""
 
+    attempt: int = 0
+    uid: str = ""
     step: int = 0
     loss: float | None = None
     steps_per_second: float | None = None
     resumed_from: int | None = None
+    restore_failures: list[progress.RestoreFailure] = dataclasses.field(default_factory=list)
+    save_failures: int = 0
     outcome: progress.State = "failed"
 
-    def record(self, attempt: int, state: progress.State) -> progress.Progress:
+    def record(self, state: progress.State) -> progress.Progress:
         return progress.Progress(
             step=self.step, loss=self.loss, steps_per_second=self.steps_per_second, last_committed_step=None,
-            attempt=attempt, resumed_from_step=self.resumed_from, updated_at=progress.rfc3339_now(), state=state,
+            attempt=self.attempt, resumed_from_step=self.resumed_from, updated_at=progress.rfc3339_now(),
+            state=state, uid=self.uid, restored_step=self.resumed_from,
+            restore_failures=tuple(self.restore_failures), save_failures=self.save_failures,
         )  # fmt: skip
 
 
@@ -90,29 +102,117 @@ def _open_manager(cfg: Config, notice: PreemptionNotice) -> CheckpointManager | 
     if not (cfg.run_dir and cfg.checkpoint):
         log.warning("TPUJOB_RUN_DIR is not set: training without checkpoints")
         return None
-    checkpointing.probe_storage(cfg.run_dir, f"process-{jax.process_index()}", cfg.storage_timeout_seconds)
+    _wait_for_storage(cfg)
     log.info("checkpoints: %s/checkpoints, %s", cfg.run_dir, cfg.checkpoint)
     return CheckpointManager(f"{cfg.run_dir}/checkpoints", checkpointing.manager_options(cfg.checkpoint), notice)
 
 
-def _restore_or_init(trainer: Trainer, mngr: CheckpointManager | None, resume_step: int) -> tuple[State, int | None]:
-    step = checkpointing.choose_restore_step(mngr.all_steps(), resume_step) if mngr else None
-    if mngr is None or step is None:
+def _wait_for_storage(cfg: Config) -> None:
+    """Probe the run directory until it works, for at most TPUJOB_STORAGE_WAIT_SECONDS (StorageError)."""
+    assert cfg.run_dir
+    name = f"process-{jax.process_index()}"
+    checkpointing.wait_for_storage(cfg.run_dir, name, cfg.storage_timeout_seconds, cfg.storage_wait_seconds)
+
+
+def _storage_ok(cfg: Config) -> bool:
+    assert cfg.run_dir
+    try:
+        checkpointing.probe_storage(cfg.run_dir, f"process-{jax.process_index()}", cfg.storage_timeout_seconds)
+    except StorageError as err:
+        log.warning("storage probe failed: %s", err)
+        return False
+    return True
+
+
+def _restore_or_init(cfg: Config, trainer: Trainer, mngr: CheckpointManager | None, status: _Status) -> State:
+    """Restore the pinned or latest committed step, falling back to older ones; or a fresh state.
+
+    Sets status.resumed_from and status.restore_failures; raises CheckpointIncompatible (exit 4)
+    when no committed step can be restored.
+    """
+    resume_step = cfg.checkpoint.resume_step if cfg.checkpoint else -1
+    candidates = checkpointing.restore_candidates(mngr.all_steps(), resume_step) if mngr else []
+    if mngr is None or not candidates:
         log.info("resume: no committed checkpoint, fresh start from step 0")
-        return trainer.init(), None
+        return trainer.init()
     why = "pinned by TPUJOB_RESUME_STEP" if resume_step >= 0 else "latest committed"
-    log.info("resume: restoring step %d (%s) from %s", step, why, mngr.directory)
-    state: State = mngr.restore(step, args=ocp.args.StandardRestore(trainer.abstract_state))
-    if int(_scalar(state["step"])) != step:
-        raise RuntimeError(f"checkpoint {step} holds step {_scalar(state['step'])}")
-    # Training continues from the pinned step, so newer steps belong to an abandoned trajectory:
-    # drop them, or a later restart from the "latest committed" step would jump back into it.
+    log.info("resume: restoring step %d (%s) from %s", candidates[0], why, mngr.directory)
+
+    def restore(step: int) -> State:
+        if step != candidates[0]:
+            log.info("resume: restoring step %d (older committed step)", step)
+        state: State = mngr.restore(step, args=ocp.args.StandardRestore(trainer.abstract_state))
+        if int(_scalar(state["step"])) != step:
+            raise RuntimeError(f"checkpoint {step} holds step {_scalar(state['step'])}")
+        return state
+
+    try:
+        restored, step, status.restore_failures = checkpointing.restore_with_fallback(
+            restore, candidates, lambda: _storage_ok(cfg), lambda: _wait_for_storage(cfg)
+        )
+    except CheckpointIncompatible as err:
+        status.restore_failures = list(err.failures)
+        raise
+    status.resumed_from = step
+    # Training continues from the restored step, so newer steps belong to an abandoned trajectory
+    # (or could not be restored): drop them, or a later restart from the "latest committed" step
+    # would jump back into it. Only now, after a restore worked: a failed one deletes nothing.
     newer = [s for s in mngr.all_steps() if s > step]
     if newer:
-        log.warning("resume: deleting checkpoints newer than the pinned step: %s", newer)
+        log.warning("resume: deleting checkpoints newer than the restored step %d: %s", step, newer)
         for s in newer:
             mngr.delete(s)
-    return state, step
+    state: State = restored
+    return state
+
+
+def _save(mngr: CheckpointManager, step: int, state: State, status: _Status) -> bool:
+    """One save decision; a failed save is logged and counted, and the next decision retries.
+
+    Orbax 0.12.8 surfaces a failed async save as an exception from the *next* save() (or
+    wait_until_finished()), raised once; a failure of the blocking part raises from this save().
+    """
+    try:
+        if not mngr.is_saving_in_progress():
+            # Raise a finished save's error here rather than from inside save(), after Orbax's
+            # first barrier, where other processes would wait for this one.
+            mngr.wait_until_finished()
+        return mngr.save(step, args=ocp.args.StandardSave(state))
+    except Exception as err:
+        status.save_failures += 1
+        log.warning("checkpoint: save failed (%s); training goes on, the next save retries", progress.short_error(err))
+        return False
+
+
+def _committed(mngr: CheckpointManager, step: int) -> bool:
+    try:
+        return checkpointing.is_committed(str(mngr.directory), step)
+    except Exception as err:
+        log.warning("checkpoint: could not check the commit marker of step %d: %s", step, progress.short_error(err))
+        return False
+
+
+def _save_final(mngr: CheckpointManager, step: int, state: State, status: _Status) -> bool:
+    """Make sure `step` is committed (the final step, or the SIGTERM step): retry a bounded number
+    of times, because this checkpoint is the one a restart or the user will want."""
+    delays = checkpointing.backoff_delays(2.0, 16.0)
+    for attempt in range(1, FINAL_SAVE_TRIES + 1):
+        try:
+            if attempt > 1:
+                mngr.reload()  # forget a step whose save failed after Orbax had listed it
+            if step not in mngr.all_steps():
+                mngr.save(step, args=ocp.args.StandardSave(state), force=True)
+            mngr.wait_until_finished()
+            if checkpointing.agree_all(_committed(mngr, step)):
+                return True
+            error = "no commit marker after the save"
+        except Exception as err:
+            error = progress.short_error(err)
+        status.save_failures += 1
+        log.warning("checkpoint: save of step %d, try %d/%d, failed: %s", step, attempt, FINAL_SAVE_TRIES, error)
+        if attempt < FINAL_SAVE_TRIES:
+            time.sleep(next(delays))
+    return False
 
 
 def _train(
@@ -139,12 +239,13 @@ def _train(
                 if writer:
                     writer.saved(pending_save)
                 pending_save = None
-            if mngr.save(step, args=ocp.args.StandardSave(state)):
+            if _save(mngr, step, state, status):
                 pending_save = step
         if notice.reached(step):
             if mngr:
-                log.warning("SIGTERM: stopping at step %d (checkpoint of it: %s)", step, step in mngr.all_steps())
-                mngr.wait_until_finished()
+                saved = cfg.checkpoint is not None and cfg.checkpoint.save_on_preemption
+                saved = saved and _save_final(mngr, step, state, status)
+                log.warning("SIGTERM: stopping at step %d (checkpoint of it: %s)", step, saved)
             return True
         now = time.monotonic()
         due_log = step % tc.log_every == 0 or step == tc.steps
@@ -160,12 +261,10 @@ def _train(
                     progress.progress_line(step, tc.steps, status.loss, status.steps_per_second, committed), flush=True
                 )
             if writer is not None and due_publish:
-                writer.publish(status.record(cfg.attempt, "running"))
+                writer.publish(status.record("running"))
                 last_publish = now
-    if mngr:
-        if status.step not in mngr.all_steps():
-            mngr.save(status.step, args=ocp.args.StandardSave(state), force=True)  # the final model, always
-        mngr.wait_until_finished()
+    if mngr and not _save_final(mngr, status.step, state, status):  # the final model, always
+        raise RuntimeError(f"the final step {status.step} could not be checkpointed")
     return False
 
 
@@ -184,27 +283,39 @@ def run(cfg: Config) -> ExitCode:
     if mngr and cfg.run_dir and jax.process_index() == 0:
         checkpoint_dir = str(mngr.directory)
         writer = progress.ProgressWriter(cfg.run_dir, lambda s: checkpointing.is_committed(checkpoint_dir, s))
-    status = _Status()
+    status = _Status(attempt=cfg.attempt, uid=cfg.job_uid)
     try:
         trainer = Trainer(tc, make_mesh(cfg.topology.num_slices))
-        state, status.resumed_from = _restore_or_init(
-            trainer, mngr, cfg.checkpoint.resume_step if cfg.checkpoint else -1
-        )
+        try:
+            state = _restore_or_init(cfg, trainer, mngr, status)
+        except CheckpointIncompatible as err:
+            log.error("resume: %s; nothing was deleted", err)
+            status.outcome = "incompatible"
+            return ExitCode.CHECKPOINT_INCOMPATIBLE
         status.step = status.resumed_from or 0
         preempted = _train(cfg, trainer, state, mngr, notice, writer, status)
         status.outcome = "preempted" if preempted else "succeeded"
     finally:
         if mngr:
-            latest = mngr.latest_step()
-            if writer and latest is not None:
-                writer.saved(latest)
-            mngr.close()
+            _close(mngr, writer)
         if writer:
-            writer.close(status.record(cfg.attempt, status.outcome))
+            writer.close(status.record(status.outcome))
     if preempted:
         return ExitCode.PREEMPTED
     log.info("done: step %d", status.step)
     return ExitCode.OK
+
+
+def _close(mngr: CheckpointManager, writer: progress.ProgressWriter | None) -> None:
+    """Report the latest step and close the manager; an error of a save already given up on is
+    only logged, so that it never changes the outcome."""
+    try:
+        latest = mngr.latest_step()
+        if writer and latest is not None:
+            writer.saved(latest)
+        mngr.close()
+    except Exception as err:
+        log.warning("checkpoint: closing the manager failed: %s", progress.short_error(err))
 
 
 def main(argv: Sequence[str] | None = None) -> int:

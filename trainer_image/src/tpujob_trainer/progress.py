@@ -23,8 +23,18 @@ from etils import epath
 
 log = logging.getLogger("tpujob_trainer")
 
-State = Literal["running", "succeeded", "preempted", "failed"]
+# incompatible: no committed checkpoint could be restored (exit code 4); see restore_failures.
+State = Literal["running", "succeeded", "preempted", "failed", "incompatible"]
 PROGRESS_FILE = "progress.json"
+ERROR_TEXT_LIMIT = 200  # characters of an error kept in the record: enough to tell causes apart
+
+
+@dataclasses.dataclass(frozen=True)
+class RestoreFailure:
+    """A committed step that could not be restored, and why (shortened)."""
+
+    step: int
+    error: str
 
 
 @dataclasses.dataclass(frozen=True)
@@ -37,6 +47,16 @@ class Progress:
     resumed_from_step: int | None
     updated_at: str
     state: State
+    uid: str = ""  # the TrainingJob's metadata.uid (TPUJOB_UID): which job wrote this record
+    restored_step: int | None = None  # the step actually restored (an older one if newer ones failed)
+    restore_failures: tuple[RestoreFailure, ...] = ()
+    save_failures: int = 0  # saves of this attempt that raised; training went on and retried
+
+
+def short_error(err: BaseException) -> str:
+    """`Type: message` on one line, cut to ERROR_TEXT_LIMIT characters."""
+    text = " ".join(f"{type(err).__name__}: {err}".split())
+    return text if len(text) <= ERROR_TEXT_LIMIT else text[: ERROR_TEXT_LIMIT - 3] + "..."
 
 
 def rfc3339_now() -> str:

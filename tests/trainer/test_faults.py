@@ -1,0 +1,121 @@
+"""Faults that must cost a job nothing: storage down at start or in the middle of a run, a damaged
+latest checkpoint, checkpoints of another model. Real trainer processes, a real fake-gcs-server
+that the tests stop, restart (same port, same data) and hang (SIGSTOP)."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.trainer.faults import RestartableGcs
+from tests.trainer.procs import BUCKET, Attempt, Job
+
+pytestmark = pytest.mark.trainer
+SHAPE = ["--batch-size", "4", "--seq-len", "32"]
+TINY = ["--steps", "12", *SHAPE]
+
+
+def _sleep_while_running(attempt: Attempt, seconds: float) -> None:
+    """Sleep, but fail at once if the trainer dies meanwhile (today's failure mode)."""
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        assert attempt.running(), f"trainer exited during the outage; output:\n{attempt.output()[-4000:]}"
+        time.sleep(0.2)
+
+
+@pytest.mark.timeout(240)
+def test_storage_down_at_start_is_waited_out(faulty_job: Job, faulty_gcs: RestartableGcs) -> None:
+    faulty_gcs.stop()
+    attempt = faulty_job.start(TINY, {"TPUJOB_STORAGE_TIMEOUT_SECONDS": "3"})
+    # Today's trainer gives up (exit 3) after the first probe; now it retries with backoff.
+    attempt.wait_until(lambda: "storage probe 2 failed" in attempt.output(), timeout=120, poll=0.2)
+    faulty_gcs.start()
+    assert attempt.wait(150) == [0], attempt.output()
+    assert "storage answers again after" in attempt.output()
+    assert faulty_job.committed_steps()[-1] == 12
+    assert faulty_job.progress()["state"] == "succeeded"
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_storage_outage_and_hang_mid_run_cost_nothing(
+    faulty_job: Job, faulty_gcs: RestartableGcs, trainer_env: dict[str, str], tmp_path: Path
+) -> None:
+    steps = 6000
+    args = ["--steps", str(steps), *SHAPE, "--log-every", "50"]
+    reference = Job(faulty_gcs, faulty_job.base_env, tmp_path / "reference", f"ref-{faulty_job.name}")
+    (tmp_path / "reference").mkdir()
+    try:
+        assert reference.start(args).wait(300) == [0]
+    finally:
+        reference.kill_all()
+
+    attempt = faulty_job.start(args)
+    attempt.wait_until(lambda: bool(faulty_job.committed_steps()) and attempt.last_step() >= 100, timeout=120)
+    # Down longer than gcsfs retries (~32 s): the save in flight and the next ones fail.
+    faulty_gcs.stop()
+    stopped_at = attempt.last_step()
+    _sleep_while_running(attempt, 45)
+    faulty_gcs.start()
+    if attempt.running():
+        # Hung, not down: requests stall until the server continues.
+        attempt.wait_until(lambda: attempt.last_step() > stopped_at + 50, timeout=120)
+        faulty_gcs.hang()
+        try:
+            time.sleep(15)
+        finally:
+            faulty_gcs.unhang()
+    assert attempt.wait(400) == [0], attempt.output()
+    out = attempt.output()
+    assert "checkpoint: save" in out and "failed" in out
+
+    assert faulty_job.committed_steps()[-1] == steps
+    record = faulty_job.progress()
+    assert (record["state"], record["step"], record["last_committed_step"]) == ("succeeded", steps, steps)
+    assert record["save_failures"] >= 1
+    assert faulty_job.digest(steps) == reference.digest(steps)
+
+
+def _delete_one_array_object(job: Job, step: int) -> str:
+    """Delete the largest data file of the step's OCDBT store: the one holding the arrays (the
+    small ones may be b-tree nodes that a finished store no longer references)."""
+    prefix = f"{job.prefix}/checkpoints/{step}/default/ocdbt.process_0/d/"
+    victim = max(job.gcs.list_objects(BUCKET, prefix), key=lambda name: len(job.gcs.download(BUCKET, name)))
+    job.gcs.delete_object(BUCKET, victim)
+    return victim
+
+
+@pytest.mark.timeout(300)
+def test_damaged_latest_step_falls_back_to_an_older_one(job: Job) -> None:
+    assert job.start(TINY).wait(150) == [0]
+    committed = job.committed_steps()
+    assert committed[-1] == 12 and len(committed) >= 2, committed
+    _delete_one_array_object(job, 12)
+
+    resumed = job.start(["--steps", "14", *SHAPE])
+    assert resumed.wait(150) == [0], resumed.output()
+    older = committed[-2]
+    assert "resume: step 12 cannot be restored" in resumed.output()
+    assert f"resume: restoring step {older} (older committed step)" in resumed.output()
+    record = job.progress()
+    assert (record["state"], record["restored_step"], record["resumed_from_step"]) == ("succeeded", older, older)
+    assert [f["step"] for f in record["restore_failures"]] == [12] and record["restore_failures"][0]["error"]
+    assert job.committed_steps()[-1] == 14
+
+
+@pytest.mark.timeout(300)
+def test_checkpoints_of_another_model_exit_4_and_delete_nothing(job: Job) -> None:
+    assert job.start(TINY).wait(150) == [0]
+    before = job.objects()
+    committed = job.committed_steps()
+
+    other = job.start([*TINY, "--model", "small"])
+    assert other.wait(150) == [4], other.output()
+    assert "no committed checkpoint could be restored" in other.output()
+    record = job.progress()
+    assert record["state"] == "incompatible" and record["restored_step"] is None
+    assert [f["step"] for f in record["restore_failures"]] == sorted(committed, reverse=True)
+    assert all(f["error"] for f in record["restore_failures"])
+    assert job.objects() == before  # nothing deleted, nothing written under checkpoints/
