@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 from etils import epath
 from jax.sharding import PartitionSpec
-from tpujob_trainer import progress
+from tpujob_trainer import checkpointing, progress
+from tpujob_trainer.checkpointing import CheckpointIncompatible, StorageError
 from tpujob_trainer.config import MODELS, ConfigError, parse_config, topology_from_env
 from tpujob_trainer.data import batch_for_step
 from tpujob_trainer.train import Trainer, make_mesh, partition_spec, resolve_dtype
@@ -153,8 +154,17 @@ def test_progress_record_and_line() -> None:
         resumed_from_step=8, updated_at=progress.rfc3339_now(), state="running",
     )  # fmt: skip
     assert set(json.loads(progress.to_json(record))) == {
-        "step", "loss", "steps_per_second", "last_committed_step", "attempt", "resumed_from_step", "updated_at", "state"
+        "step", "loss", "steps_per_second", "last_committed_step", "attempt", "resumed_from_step", "updated_at",
+        "state", "uid", "restored_step", "restore_failures", "save_failures",
     }  # fmt: skip
+    failed = progress.Progress(
+        step=0, loss=None, steps_per_second=None, last_committed_step=None, attempt=1, resumed_from_step=None,
+        updated_at=progress.rfc3339_now(), state="incompatible", uid="0b5e-uid",
+        restore_failures=(progress.RestoreFailure(12, progress.short_error(ValueError("x" * 500))),), save_failures=2,
+    )  # fmt: skip
+    record_json = json.loads(progress.to_json(failed))
+    assert (record_json["uid"], record_json["state"], record_json["save_failures"]) == ("0b5e-uid", "incompatible", 2)
+    assert record_json["restore_failures"] == [{"step": 12, "error": "ValueError: " + "x" * 185 + "..."}]
     assert progress.progress_line(12, 100, 1.5, 3.0, None) == "step 12/100 loss 1.5000 steps/s 3.00 last_committed none"
 
 
@@ -170,3 +180,60 @@ def test_progress_writer_overwrites_atomically_and_checks_commit(tmp_path: Path)
     assert [p.name for p in tmp_path.iterdir()] == ["progress.json"]  # no temp file left behind
     progress.write_atomically(epath.Path(tmp_path) / "progress.json", "{}")
     assert (tmp_path / "progress.json").read_text() == "{}"
+
+
+def test_identity_and_storage_wait_from_env() -> None:
+    cfg = parse_config([], {**RUN, "TPUJOB_UID": " 6f1c-uid ", "TPUJOB_STORAGE_WAIT_SECONDS": "45"})
+    assert (cfg.job_uid, cfg.storage_wait_seconds, cfg.storage_timeout_seconds) == ("6f1c-uid", 45.0, 30.0)
+    defaults = parse_config([], RUN)
+    assert (defaults.job_uid, defaults.storage_wait_seconds) == ("", 600.0)
+    with pytest.raises(ConfigError, match="TPUJOB_STORAGE_WAIT_SECONDS must be >= 0"):
+        parse_config([], {**RUN, "TPUJOB_STORAGE_WAIT_SECONDS": "-1"})
+
+
+def test_storage_wait_backs_off_then_gives_up(tmp_path: Path) -> None:
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a directory")
+    now = [0.0]
+    sleeps: list[float] = []
+
+    def sleep(seconds: float) -> None:
+        sleeps.append(seconds)
+        now[0] += seconds
+
+    with pytest.raises(StorageError, match="gave up after 9 probes in 100s"):
+        checkpointing.wait_for_storage(str(blocker / "run"), "p0", 5.0, 100.0, sleep=sleep, clock=lambda: now[0])
+    assert sleeps == [1, 2, 4, 8, 16, 30, 30, 9]  # doubling from 1 s, capped at 30 s, ending at the budget
+    checkpointing.wait_for_storage(str(tmp_path / "run"), "p0", 5.0, 100.0, sleep=sleep)  # works: no wait
+
+
+def test_restore_falls_back_to_older_steps_only_when_storage_answers() -> None:
+    assert checkpointing.restore_candidates([3, 9, 6], -1) == [9, 6, 3]
+    assert checkpointing.restore_candidates([3, 9, 6], 6) == [6, 3]
+    assert checkpointing.restore_candidates([], -1) == []
+    tried: list[int] = []
+    outage = [True]  # the first try of step 9 meets a storage outage; the retry finds it damaged
+
+    def restore(step: int) -> str:
+        tried.append(step)
+        if step == 3:
+            return "state 3"
+        raise OSError(f"cannot read step {step}")
+
+    def storage_ok() -> bool:
+        return not outage[0]
+
+    def wait() -> None:
+        outage[0] = False
+
+    state, step, failures = checkpointing.restore_with_fallback(restore, [9, 6, 3], storage_ok, wait)
+    assert (state, step, tried) == ("state 3", 3, [9, 9, 6, 3])
+    assert failures == [
+        progress.RestoreFailure(9, "OSError: cannot read step 9"),
+        progress.RestoreFailure(6, "OSError: cannot read step 6"),
+    ]
+    with pytest.raises(CheckpointIncompatible) as err:
+        checkpointing.restore_with_fallback(restore, [9, 6], lambda: True, wait)
+    assert [f.step for f in err.value.failures] == [9, 6]
+    with pytest.raises(StorageError):
+        checkpointing.restore_with_fallback(restore, [9], lambda: False, lambda: None)
