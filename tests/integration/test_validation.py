@@ -55,6 +55,185 @@ INVALID = [
     ("args not a list", "spec.args", "--model tiny", "spec.args"),
     ("env without name", "spec.env", [{"value": "x"}], "spec.env[0].name"),
     ("name too long", "metadata.name", "n" * 41, "metadata.name"),
+    *[
+        # Issue 7 item 8: numbers that would overflow the operator's computations.
+        (
+            "backoff that overflowed the operator",
+            "spec.restart",
+            {"backoffSeconds": 10**12},
+            "spec.restart.backoffSeconds",
+        ),
+        ("max backoff over a week", "spec.restart", {"maxBackoffSeconds": 604_801}, "spec.restart.maxBackoffSeconds"),
+        (
+            "max backoff below backoff",
+            "spec.restart",
+            {"backoffSeconds": 60, "maxBackoffSeconds": 30},
+            "spec.restart.maxBackoffSeconds",
+        ),
+        ("too many restarts", "spec.restart", {"maxRestarts": 10_001}, "spec.restart.maxRestarts"),
+        (
+            "hang timeout over a week",
+            "spec.restart",
+            {"hangTimeoutSeconds": 604_801},
+            "spec.restart.hangTimeoutSeconds",
+        ),
+        (
+            "startup timeout over a week",
+            "spec.restart",
+            {"startupTimeoutSeconds": 604_801},
+            "spec.restart.startupTimeoutSeconds",
+        ),
+        (
+            "scheduling timeout over a week",
+            "spec.restart",
+            {"schedulingTimeoutSeconds": 604_801},
+            "spec.restart.schedulingTimeoutSeconds",
+        ),
+        (
+            "min interval over a day",
+            "spec.checkpoint.minIntervalSeconds",
+            86_400.5,
+            "spec.checkpoint.minIntervalSeconds",
+        ),
+        ("interval steps over 1e9", "spec.checkpoint.intervalSteps", 10**9 + 1, "spec.checkpoint.intervalSteps"),
+        ("keep latest over 1000", "spec.checkpoint.keep", {"latest": 1001}, "spec.checkpoint.keep.latest"),
+        (
+            "keep every steps over 1e9",
+            "spec.checkpoint.keep",
+            {"everySteps": 10**9 + 1},
+            "spec.checkpoint.keep.everySteps",
+        ),
+        # Resource values are quantities; the TPU chips are the operator's.
+        ("cpu request not a quantity", "spec.resources", {"requests": {"cpu": "lots"}}, "spec.resources.requests"),
+        ("memory limit not a quantity", "spec.resources", {"limits": {"memory": "16GB"}}, "spec.resources.limits"),
+        ("negative quantity", "spec.resources", {"requests": {"cpu": "-500m"}}, "spec.resources.requests"),
+        ("negative integer quantity", "spec.resources", {"limits": {"cpu": -1}}, "spec.resources.limits"),
+        ("tpu requested by hand", "spec.resources", {"requests": {"google.com/tpu": 4}}, "spec.resources.requests"),
+        ("tpu limited by hand", "spec.resources", {"limits": {"google.com/tpu": "4"}}, "spec.resources.limits"),
+        (
+            "too many resources",
+            "spec.resources",
+            {"requests": {f"example.com/r{i}": 1 for i in range(33)}},
+            "spec.resources.requests",
+        ),
+        # Checkpoint paths without empty, . or .. segments.
+        ("empty directory segment", "spec.checkpoint.directory", "gs://bkt/a//b", "spec.checkpoint.directory"),
+        ("empty segment after bucket", "spec.checkpoint.directory", "gs://bkt//a", "spec.checkpoint.directory"),
+        ("double trailing slash", "spec.checkpoint.directory", "gs://bkt/a//", "spec.checkpoint.directory"),
+        ("dot directory segment", "spec.checkpoint.directory", "gs://bkt/./a", "spec.checkpoint.directory"),
+        ("dot-dot directory segment", "spec.checkpoint.directory", "gs://bkt/a/..", "spec.checkpoint.directory"),
+        ("dot-dot inner segment", "spec.checkpoint.directory", "gs://bkt/a/../b", "spec.checkpoint.directory"),
+        # The operator's own env is refused, not silently overridden.
+        ("env sets TPUJOB_RUN_DIR", "spec.env", [{"name": "TPUJOB_RUN_DIR", "value": "x"}], "spec.env[0].name"),
+        ("env sets TPUJOB_UID", "spec.env", [{"name": "X", "value": "1"}, {"name": "TPUJOB_UID"}], "spec.env[1].name"),
+        (
+            "env sets TPUJOB_STORAGE_WAIT_SECONDS",
+            "spec.env",
+            [{"name": "TPUJOB_STORAGE_WAIT_SECONDS"}],
+            "spec.env[0].name",
+        ),
+        ("env sets a checkpoint knob", "spec.env", [{"name": "TPUJOB_CHECKPOINT_POLICY"}], "spec.env[0].name"),
+        ("env sets a megascale var", "spec.env", [{"name": "MEGASCALE_NUM_SLICES", "value": "9"}], "spec.env[0].name"),
+        ("env name not an identifier", "spec.env", [{"name": "1 BAD=x", "value": "1"}], "spec.env[0].name"),
+        (
+            "env value and valueFrom",
+            "spec.env",
+            [{"name": "TOKEN", "value": "x", "valueFrom": {"secretKeyRef": {"name": "s", "key": "k"}}}],
+            "spec.env[0].valueFrom",
+        ),
+        ("too many env entries", "spec.env", [{"name": f"V{i}"} for i in range(257)], "spec.env"),
+        ("too many args", "spec.args", ["x"] * 1025, "spec.args"),
+        ("too many command items", "spec.command", ["x"] * 257, "spec.command"),
+    ],
+]
+
+# Edge cases that stay accepted, each next to its nearest refused neighbour: the bounds themselves,
+# every quantity form, clean paths, trainer knobs. (case, path, accepted value, refused neighbour)
+VALID = [
+    (
+        "every restart number at its bound",
+        "spec.restart",
+        {
+            "maxRestarts": 10_000,
+            "backoffSeconds": 604_800,
+            "maxBackoffSeconds": 604_800,
+            "hangTimeoutSeconds": 604_800,
+            "startupTimeoutSeconds": 604_800,
+            "schedulingTimeoutSeconds": 604_800,
+        },
+        {"maxRestarts": 10_000, "backoffSeconds": 604_800, "maxBackoffSeconds": 604_801},
+    ),
+    (
+        "every checkpoint number at its bound",
+        "spec.checkpoint",
+        {
+            "directory": "gs://bkt/a",
+            "minIntervalSeconds": 86_400,
+            "intervalSteps": 10**9,
+            "keep": {"latest": 1000, "everySteps": 10**9},
+        },
+        {"directory": "gs://bkt/a", "minIntervalSeconds": 86_400, "keep": {"latest": 1001}},
+    ),
+    (
+        "max backoff equal to backoff",
+        "spec.restart",
+        {"backoffSeconds": 30, "maxBackoffSeconds": 30},
+        {"backoffSeconds": 30, "maxBackoffSeconds": 29},
+    ),
+    (
+        "quantities of every form",
+        "spec.resources",
+        {
+            "requests": {
+                "cpu": "500m",
+                "memory": "16Gi",
+                "ephemeral-storage": "1e3",
+                "example.com/a": 2,
+                "example.com/b": "0",
+            },
+            "limits": {
+                "cpu": 4,
+                "memory": "1.5G",
+                "example.com/c": ".5",
+                "example.com/d": "+1",
+                "example.com/e": "100n",
+            },
+        },
+        {"requests": {"cpu": "500m", "memory": "16 Gi"}},
+    ),
+    (
+        "32 resources",
+        "spec.resources",
+        {"limits": {f"example.com/r{i}": 1 for i in range(32)}},
+        {"limits": {f"example.com/r{i}": 1 for i in range(33)}},
+    ),
+    ("single trailing slash", "spec.checkpoint.directory", "gs://bkt/a/", "gs://bkt/a//"),
+    ("bucket only", "spec.checkpoint.directory", "gs://bkt", "gs://bkt/."),
+    (
+        "dotted names that are not . or ..",
+        "spec.checkpoint.directory",
+        "gs://b-1.x/a.b/...x/.hidden/..y/z..",
+        "gs://b-1.x/a.b/../.hidden",
+    ),
+    (
+        "trainer knobs and valueFrom",
+        "spec.env",
+        [
+            {"name": "TPUJOB_MODEL", "value": "1b"},
+            {"name": "TPUJOB_STEPS", "value": "100"},
+            {"name": "TPUJOB_LOG_LEVEL", "value": "debug"},
+            {"name": "my.var-1", "value": ""},
+            {"name": "TOKEN", "value": "", "valueFrom": {"secretKeyRef": {"name": "s", "key": "k"}}},
+        ],
+        [{"name": "TPUJOB_MODEL", "value": "1b"}, {"name": "TPUJOB_NUM_SLICES", "value": "9"}],
+    ),
+    (
+        "256 env entries",
+        "spec.env",
+        [{"name": f"V{i}", "value": "1"} for i in range(256)],
+        [{"name": f"V{i}", "value": "1"} for i in range(257)],
+    ),
+    ("1024 args", "spec.args", ["x"] * 1024, ["x"] * 1025),
 ]
 
 
@@ -72,6 +251,49 @@ def test_invalid_training_job_is_refused_naming_the_field(kube, namespace, case,
     assert refused.value.status == 422, refused.value.body
     message = json.loads(refused.value.body)["message"]
     assert field in message, message
+
+
+@pytest.mark.parametrize(("case", "path", "value", "neighbour"), VALID, ids=[c[0] for c in VALID])
+def test_edge_case_is_accepted_and_its_neighbour_refused(kube, namespace, case, path, value, neighbour):
+    created = _create(kube, namespace, _set(training_job_manifest("edge"), path, value))
+    # The operator's model agrees with the apiserver (else it would report Failed/InvalidSpec).
+    api.TrainingJob.model_validate(created)
+    with pytest.raises(ApiException) as refused:
+        _create(kube, namespace, _set(training_job_manifest("over"), path, neighbour))
+    assert refused.value.status == 422, refused.value.body
+    assert path in json.loads(refused.value.body)["message"]
+
+
+def test_reserved_env_message_names_the_variable(kube, namespace):
+    manifest = _set(training_job_manifest("env"), "spec.env", [{"name": "TPUJOB_RESUME_STEP", "value": "7"}])
+    with pytest.raises(ApiException) as refused:
+        _create(kube, namespace, manifest)
+    message = json.loads(refused.value.body)["message"]
+    assert "spec.env[0].name" in message and "TPUJOB_RESUME_STEP is set by the operator" in message, message
+
+
+QUANTITIES = ["4", "1e-3", "500m", "16Gi", "1.5", "1e3", "2E", ".5", "1.", "+1", "100n", "10u", "0", "-0", "1Ki"]
+QUANTITIES += ["1e+3", "1.e3", "00", "9" * 60, "1e400", "Gi", "m", ".", "+", ".e3"]  # Kubernetes: no digits is 0
+NOT_QUANTITIES = ["lots", "", " 1", "1 ", "16GB", "1.2.3", "1e", "-1", "-500m", "-.5", "1ki", "1Mi2", "1.."]
+NOT_QUANTITIES += ["\uff11", "0x10", "1_000", "1E3Ki", "1ee3", "1e3.5", "1.5m3", "1" * 65]
+
+
+def test_operator_and_apiserver_agree_on_quantities(kube, namespace):
+    """The pydantic check (a regex) and the apiserver's isQuantity() accept exactly the same strings."""
+    disagreements = []
+    for index, value in enumerate(QUANTITIES + NOT_QUANTITIES):
+        manifest = _set(training_job_manifest(f"q{index}"), "spec.resources", {"requests": {"cpu": value}})
+        try:
+            _create(kube, namespace, manifest)
+            apiserver = True
+        except ApiException as error:
+            assert error.status == 422, error.body
+            assert "spec.resources.requests" in json.loads(error.body)["message"]
+            apiserver = False
+        operator = api.is_quantity(value)
+        if (apiserver, operator) != (value in QUANTITIES, value in QUANTITIES):
+            disagreements.append((value, apiserver, operator))
+    assert disagreements == []
 
 
 def test_valid_job_is_accepted_with_defaults_filled_in(kube, namespace):

@@ -128,8 +128,35 @@ VALID_QUANTITIES: list[int | str] = [
     "100n",
     "10u",
     "0",
+    "1e-3",
+    "1e+3",
+    "1.e3",
+    "00",
+    "-0",
+    # Kubernetes parses a missing number as zero.
+    "Gi",
+    "m",
+    ".",
 ]
-INVALID_QUANTITIES: list[int | str] = ["lots", "", " 1", "1 ", "16GB", "1.2.3", "1e", "Gi", "-1", "-500m", -1, "1ki"]
+INVALID_QUANTITIES: list[int | str] = [
+    "lots",
+    "",
+    " 1",
+    "1 ",
+    "16GB",
+    "1.2.3",
+    "1e",
+    "1..",
+    "-1",
+    "-500m",
+    "-.5",
+    -1,
+    "1ki",
+    "\uff11",  # a fullwidth digit
+    "0x10",
+    "1_000",
+    "1E3Ki",
+]
 
 
 @pytest.mark.parametrize("value", INVALID_QUANTITIES, ids=repr)

@@ -104,7 +104,9 @@ def test_reserved_env_rule_is_generated_from_the_constant():
 def test_new_spec_rules_are_in_the_schema():
     spec = _spec_schema()["properties"]
     restart = [r["rule"] for r in spec["restart"]["x-kubernetes-validations"]]
-    assert restart == ["self.maxBackoffSeconds >= self.backoffSeconds"]
+    assert restart == [
+        "!has(self.maxBackoffSeconds) || !has(self.backoffSeconds) || self.maxBackoffSeconds >= self.backoffSeconds"
+    ]
     for field in ("requests", "limits"):
         node = spec["resources"]["properties"][field]
         rules = " ".join(r["rule"] for r in node["x-kubernetes-validations"])

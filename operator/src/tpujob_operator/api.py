@@ -8,7 +8,7 @@ and the field live together.
 from __future__ import annotations
 
 import re
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, JsonValue, ValidationInfo, field_validator, model_validator
 from pydantic.alias_generators import to_camel
@@ -36,6 +36,7 @@ MAX_ENV_NAME_LENGTH = 256
 MAX_COMMAND = 256
 MAX_ARGS = 1024
 MAX_RESOURCES = 32
+MAX_QUANTITY_LENGTH = 64
 TPU_RESOURCE_NAME = "google.com/tpu"  # set by the operator from the slice shape (jobset.TPU_RESOURCE)
 
 # Environment variables the operator sets in every worker (jobset.trainer_env): the
@@ -115,17 +116,18 @@ DIRECTORY_EMPTY_SEGMENT_MESSAGE = "spec.checkpoint.directory must not contain an
 DIRECTORY_DOT_SEGMENT_MESSAGE = "spec.checkpoint.directory must not contain a . or .. path segment"
 BACKOFF_MESSAGE = "spec.restart.maxBackoffSeconds must be at least spec.restart.backoffSeconds"
 
-# Kubernetes' quantity grammar (k8s.io/apimachinery resource.ParseQuantity): a number, optionally
-# signed, then a binary-SI suffix, a decimal-SI suffix or a decimal exponent.
-_QUANTITY = re.compile(r"^[+-]?(\d+(\.\d*)?|\.\d+)([KMGTPE]i|[numkMGTPE]|[eE][+-]?\d+)?$")
+# What k8s.io/apimachinery resource.ParseQuantity (and so CEL isQuantity()) accepts: an optionally
+# signed decimal number, then a binary-SI suffix, a decimal-SI suffix or a decimal exponent. Like
+# Kubernetes, the digits may be missing ("Gi", "m" and "." parse as zero), but not the whole string.
+_QUANTITY = re.compile(r"^[+-]?([0-9]*(\.[0-9]*)?)([KMGTPE]i|[numkMGTPE]|[eE][+-]?[0-9]+)?$")
 
 
 def is_quantity(value: int | str) -> bool:
-    """A non-negative Kubernetes quantity (what the CRD's isQuantity()/sign() rule accepts)."""
+    """A non-negative Kubernetes quantity (what the CRD's isQuantity()/isLessThan() rule accepts)."""
     if isinstance(value, int):
         return value >= 0
     match = _QUANTITY.match(value)
-    if match is None:
+    if not value or len(value) > MAX_QUANTITY_LENGTH or match is None:
         return False
     return not (value.startswith("-") and any(c in "123456789" for c in match.group(1)))
 
@@ -136,7 +138,7 @@ def _resource_rules(field: str) -> list[dict[str, JsonValue]]:
         cel(
             # int-or-string: an integer arrives as a CEL int, anything else as a string.
             "self.all(k, type(self[k]) == int ? self[k] >= 0 : "
-            "(isQuantity(string(self[k])) && quantity(string(self[k])).sign() >= 0))",
+            "(isQuantity(string(self[k])) && !quantity(string(self[k])).isLessThan(quantity('0'))))",
             QUANTITY_MESSAGE.format(field=field),
         ),
     ]
@@ -198,8 +200,12 @@ class EnvVar(ApiModel):
         return self
 
 
+# A resource quantity given as a string (500m, 16Gi); an integer needs no bound on its length.
+Quantity = Annotated[str, Field(max_length=MAX_QUANTITY_LENGTH)]
+
+
 class Resources(ApiModel):
-    requests: dict[str, int | str] | None = Field(
+    requests: dict[str, int | Quantity] | None = Field(
         default=None,
         max_length=MAX_RESOURCES,
         description=(
@@ -208,7 +214,7 @@ class Resources(ApiModel):
         ),
         json_schema_extra={"x-kubernetes-validations": _resource_rules("requests")},  # type: ignore[dict-item]
     )
-    limits: dict[str, int | str] | None = Field(
+    limits: dict[str, int | Quantity] | None = Field(
         default=None,
         max_length=MAX_RESOURCES,
         description=(
@@ -336,7 +342,13 @@ class RestartSpec(ApiModel):
     model_config = ConfigDict(
         json_schema_extra={
             "x-kubernetes-validations": [
-                cel("self.maxBackoffSeconds >= self.backoffSeconds", BACKOFF_MESSAGE, ".maxBackoffSeconds")
+                # has(): the apiserver also checks the `default: {}` of spec.restart, before nested defaulting.
+                cel(
+                    "!has(self.maxBackoffSeconds) || !has(self.backoffSeconds) "
+                    "|| self.maxBackoffSeconds >= self.backoffSeconds",
+                    BACKOFF_MESSAGE,
+                    ".maxBackoffSeconds",
+                )
             ]
         }
     )

@@ -51,7 +51,10 @@ def _collapse_any_of(node: dict[str, Any]) -> dict[str, Any]:
     if len(options) == 1:
         return {**options[0], **rest}
     if types == ["integer", "string"]:
-        return {**rest, "x-kubernetes-int-or-string": True}
+        # The string side's maxLength bounds the CEL cost of rules on the value (e.g. isQuantity()).
+        (string,) = [o for o in options if o.get("type") == "string"]
+        bounds = {k: v for k, v in string.items() if k == "maxLength"}
+        return {**rest, **bounds, "x-kubernetes-int-or-string": True}
     raise ValueError(f"cannot express anyOf {options} in a structural schema")
 
 
