@@ -143,6 +143,7 @@ INVALID_QUANTITIES: list[int | str] = [
     "",
     " 1",
     "1 ",
+    "1\n",
     "16GB",
     "1.2.3",
     "1e",

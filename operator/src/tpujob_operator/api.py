@@ -119,7 +119,7 @@ BACKOFF_MESSAGE = "spec.restart.maxBackoffSeconds must be at least spec.restart.
 # What k8s.io/apimachinery resource.ParseQuantity (and so CEL isQuantity()) accepts: an optionally
 # signed decimal number, then a binary-SI suffix, a decimal-SI suffix or a decimal exponent. Like
 # Kubernetes, the digits may be missing ("Gi", "m" and "." parse as zero), but not the whole string.
-_QUANTITY = re.compile(r"^[+-]?([0-9]*(\.[0-9]*)?)([KMGTPE]i|[numkMGTPE]|[eE][+-]?[0-9]+)?$")
+_QUANTITY = re.compile(r"^[+-]?([0-9]*(\.[0-9]*)?)([KMGTPE]i|[numkMGTPE]|[eE][+-]?[0-9]+)?\Z")
 
 
 def is_quantity(value: int | str) -> bool:
