@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from pydantic import ValidationError
 from tpujob_operator.jobset import build_jobset, coordinator_host, jobset_name
 from tpujob_operator.tpu import slice_shape
 
@@ -90,16 +91,17 @@ def test_no_resume_step_means_latest_committed():
     assert _env(build_jobset(training_job(), attempt=0, resume_step=None))["TPUJOB_RESUME_STEP"] == "-1"
 
 
-def test_user_env_cannot_override_the_contract():
-    tj = training_job(env=[{"name": "TPUJOB_RESUME_STEP", "value": "7"}, {"name": "EXTRA", "value": "1"}])
+def test_user_env_comes_before_the_contract_and_cannot_name_its_keys():
+    with pytest.raises(ValidationError, match="TPUJOB_RESUME_STEP"):
+        training_job(env=[{"name": "TPUJOB_RESUME_STEP", "value": "7"}])
+    tj = training_job(env=[{"name": "EXTRA", "value": "1"}])
     pod = build_jobset(tj, attempt=0, resume_step=50)["spec"]["replicatedJobs"][0]["template"]["spec"]["template"][
         "spec"
     ]
     names = [e["name"] for e in pod["containers"][0]["env"]]
-    # Kubernetes keeps the last duplicate: the operator's value must come last.
     last = {e["name"]: e.get("value") for e in pod["containers"][0]["env"]}
     assert names.index("EXTRA") < names.index("TPUJOB_NAME")
-    assert last["TPUJOB_RESUME_STEP"] == "50"
+    assert (last["TPUJOB_RESUME_STEP"], last["TPUJOB_UID"]) == ("50", "0000-1111")
 
 
 def test_longest_allowed_name_keeps_pod_hostnames_within_dns_label_limit():

@@ -11,8 +11,15 @@ from .factories import training_job
 T0 = datetime(2026, 11, 30, 12, 0, tzinfo=UTC)
 
 
-def _active(attempt=0, state="Active", resume=None, created=T0, pods=()):
-    return JobSetFacts(f"llama-a{attempt}", attempt, resume, created, state, pods=pods)
+UID = "0000-1111"  # tests/unit/factories.py's TrainingJob
+
+
+def _active(attempt=0, state="Active", resume=None, created=T0, pods=(), **facts):
+    return JobSetFacts(f"llama-a{attempt}", attempt, resume, created, state, pods=pods, uid=UID, **facts)
+
+
+def _progress(**fields):
+    return Progress(uid=UID, **fields)
 
 
 def _conditions(status):
@@ -35,7 +42,7 @@ def test_reconcile_is_idempotent_when_the_jobset_exists():
 
 def test_progress_of_the_current_attempt_makes_it_running():
     tj = training_job(status={"phase": "Pending", "attempt": 0})
-    progress = Progress(step=120, attempt=0, updated_at=T0, loss=3.2)
+    progress = _progress(step=120, attempt=0, updated_at=T0, loss=3.2)
     status, actions = reconcile(
         tj, Observed(now=T0, jobsets=(_active(),), progress=progress, latest_committed_step=100)
     )
@@ -48,7 +55,7 @@ def test_progress_of_the_current_attempt_makes_it_running():
 def test_failure_restarts_from_latest_committed_with_lost_steps_recorded():
     tj = training_job(status={"phase": "Running", "attempt": 0, "step": 130})
     failed = _active(state="Failed", pods=(PodFacts("w", 1, "Failed", exit_code=1, finished_at=T0),))
-    progress = Progress(step=130, attempt=0, updated_at=T0)
+    progress = _progress(step=130, attempt=0, updated_at=T0)
     status, actions = reconcile(tj, Observed(now=T0, jobsets=(failed,), progress=progress, latest_committed_step=100))
     assert status.phase == "Restarting"
     assert (status.restarts, status.counted_restarts, status.attempt) == (1, 1, 1)
@@ -107,7 +114,7 @@ def test_no_progress_for_the_hang_timeout_is_a_counted_hang():
     tj = training_job(
         restart={"hangTimeoutSeconds": 60}, status={"phase": "Running", "attempt": 0, "lastProgressTime": rfc3339(T0)}
     )
-    progress = Progress(step=50, attempt=0, updated_at=T0)
+    progress = _progress(step=50, attempt=0, updated_at=T0)
     fine, _ = reconcile(tj, Observed(now=T0 + timedelta(seconds=59), jobsets=(_active(),), progress=progress))
     assert fine.phase == "Running"
     status, actions = reconcile(tj, Observed(now=T0 + timedelta(seconds=61), jobsets=(_active(),), progress=progress))
@@ -127,7 +134,7 @@ def test_suspend_and_resume_map_to_the_jobset():
     status, actions = reconcile(suspended_tj, Observed(now=T0, jobsets=(_active(resume=None),)))
     assert status.phase == "Suspended" and actions.set_suspend == ("llama-a0", True)
     resumed_tj = training_job(status={"phase": "Suspended", "attempt": 0})
-    same = _active(state="Suspended", resume=100)
+    same = _active(state="Suspended", resume=100, suspended_by_operator=True)
     _, actions = reconcile(resumed_tj, Observed(now=T0, jobsets=(same,), latest_committed_step=100))
     assert actions.set_suspend == ("llama-a0", False)
     # Checkpoints advanced since the JobSet was built: its pinned step is stale, so it is replaced.
@@ -149,7 +156,7 @@ def test_unschedulable_pods_keep_the_job_pending_with_the_reason():
 def test_recovery_time_is_measured_to_the_first_resumed_step():
     failure = {"time": rfc3339(T0), "kind": "ApplicationError", "reason": "ExitCode1", "resumeStep": 100}
     tj = training_job(status={"phase": "Restarting", "attempt": 1, "lastFailure": failure})
-    progress = Progress(step=101, attempt=1, updated_at=T0 + timedelta(seconds=42))
+    progress = _progress(step=101, attempt=1, updated_at=T0 + timedelta(seconds=42))
     status, _ = reconcile(
         tj, Observed(now=T0 + timedelta(seconds=45), jobsets=(_active(attempt=1),), progress=progress)
     )

@@ -17,7 +17,7 @@ from google.api_core.retry import Retry
 from google.auth.credentials import AnonymousCredentials
 from google.cloud import storage
 
-from .facts import Progress
+from .facts import Progress, RestoreFailure
 
 # Orbax on GCS has no atomic rename: it writes the step directory in place and marks it committed
 # by writing this file last. A step directory without it is partial (a save cut short) and is skipped.
@@ -85,6 +85,12 @@ def parse_progress(raw: bytes) -> Progress:
         last_committed_step=record.get("last_committed_step"),
         resumed_from_step=record.get("resumed_from_step"),
         state=str(record.get("state", "running")),
+        uid=record.get("uid") or None,
+        restored_step=record.get("restored_step"),
+        restore_failures=tuple(
+            RestoreFailure(step=int(f["step"]), error=str(f.get("error", ""))[:200])
+            for f in record.get("restore_failures") or []
+        ),
     )
 
 

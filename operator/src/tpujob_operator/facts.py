@@ -21,6 +21,10 @@ class PodFacts:
     disruption_reason: str | None = None  # DisruptionTarget condition reason, if any
     finished_at: datetime | None = None
     unschedulable_message: str | None = None  # PodScheduled=False/Unschedulable message
+    created: datetime | None = None
+    scheduled_at: datetime | None = None  # PodScheduled=True since
+    waiting_reason: str | None = None  # container waiting reason (ImagePullBackOff, CreateContainerConfigError, ...)
+    waiting_message: str | None = None
 
 
 @dataclass(frozen=True)
@@ -35,6 +39,18 @@ class JobSetFacts:
     failed_slice: int | None = None  # from the failed child Job, when JobSet's status names one
     pods: tuple[PodFacts, ...] = ()
     deleting: bool = False
+    uid: str | None = None  # the TrainingJob incarnation that created it (label, else owner reference)
+    expected_pods: int = 0  # slices x hosts per slice
+    resumed_at: datetime | None = None  # when its last suspension ended (JobSet Suspended=False)
+    suspended_by_operator: bool = False  # the operator's own suspension (spec.suspend), not a queue's
+    resuming: bool = False  # spec.suspend is false but the JobSet controller has not resumed it yet
+    pod_creation_refused: str | None = None  # why the Job controller could not create a worker pod
+
+
+@dataclass(frozen=True)
+class RestoreFailure:
+    step: int
+    error: str
 
 
 @dataclass(frozen=True)
@@ -44,6 +60,9 @@ class Progress:
     step: int
     attempt: int
     updated_at: datetime
+    uid: str | None = None  # the TrainingJob incarnation that wrote it; a record of another one is ignored
+    restored_step: int | None = None
+    restore_failures: tuple[RestoreFailure, ...] = ()
     loss: float | None = None
     steps_per_second: float | None = None
     last_committed_step: int | None = None
@@ -58,6 +77,9 @@ class Observed:
     latest_committed_step: int | None = None
     progress: Progress | None = None
     storage_error: str | None = None  # GCS could not be read: reported, never fatal
+    # Worker pods left by an earlier TrainingJob of the same name (deleted with --cascade=orphan):
+    # this incarnation starts only once they are gone, since both would write one run directory.
+    foreign_pods: int = 0
 
 
 @dataclass(frozen=True)

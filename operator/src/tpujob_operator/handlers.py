@@ -1,62 +1,94 @@
 """Thin kopf handlers: gather facts, call the pure reconciler, apply its actions.
 
 Every trigger (a new or changed TrainingJob, the initial listing after an operator restart, a JobSet
-event, the periodic poller) runs the same level-triggered `reconcile_job`, serialised per
-TrainingJob by a lock.
+event, a worker pod event, the periodic poller) runs the same level-triggered `reconcile_job`,
+serialised per TrainingJob by a lock. Everything the operator keeps between reconciles lives in one
+`Runtime` and is dropped when the job ends or is deleted.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 from collections import defaultdict
 from datetime import UTC, datetime
 from typing import Any
 
 import kopf
+from kubernetes.client.exceptions import ApiException
 from pydantic import ValidationError
 
 from . import api, checkpoints
 from .facts import Actions, Observed
 from .jobset import LABEL_ATTEMPT, LABEL_NAME, build_jobset
-from .kube import Cluster, jobset_facts, load_config
-from .reconcile import POLL_SECONDS, TERMINAL_PHASES, reconcile
+from .kube import Cluster, Conflict, expected_pods, incarnation_uid, jobset_facts, load_config
+from .reconcile import POLL_SECONDS, TERMINAL_PHASES, reconcile, with_creation_refused
 from .status import with_phase
 
 log = logging.getLogger("tpujob")
-_locks: defaultdict[tuple[str, str], asyncio.Lock] = defaultdict(asyncio.Lock)
-_cluster: Cluster | None = None
-_storage: Any = None
-_watched: set[tuple[str, str]] = set()
-# The last state of each worker pod that ended or is being deleted, by (namespace, job, attempt).
-# Evicted, preempted or garbage-collected pods are often gone from the API by the time their JobSet
-# is marked Failed; what they said on the way out is what classifies the failure.
-_ended_pods: defaultdict[tuple[str, str, str], dict[str, dict[str, Any]]] = defaultdict(dict)
-_poller: asyncio.Task[None] | None = None
+JobKey = tuple[str, str]  # (namespace, name)
+# A conflicting status write means someone else changed the job: read and decide again, a few times.
+CONFLICT_RETRIES = 3
+# Refusals that only a spec change can fix; others (quota: 403, overload: 429/5xx) may pass later.
+_PERMANENT_REFUSALS = (400, 422)
+
+
+class Runtime:
+    """The operator's clients and its memory of live jobs (nothing here outlives a job)."""
+
+    def __init__(self) -> None:
+        self._cluster: Cluster | None = None
+        self._storage: Any = None
+        self.locks: defaultdict[JobKey, asyncio.Lock] = defaultdict(asyncio.Lock)
+        self.watched: set[JobKey] = set()
+        # The last state of each worker pod that ended or is being deleted. Evicted, preempted or
+        # garbage-collected pods are often gone from the API by the time the failure is handled;
+        # what they said on the way out is what classifies it.
+        self.ended_pods: defaultdict[JobKey, dict[str, dict[str, Any]]] = defaultdict(dict)
+
+    def cluster(self) -> Cluster:
+        if self._cluster is None:
+            load_config()
+            self._cluster = Cluster()
+        return self._cluster
+
+    def storage(self) -> Any:
+        if self._storage is None:
+            self._storage = checkpoints.make_client()
+        return self._storage
+
+    def forget(self, key: JobKey) -> None:
+        """The job ended or was deleted: keep nothing of it."""
+        self.watched.discard(key)
+        self.ended_pods.pop(key, None)
+        self.locks.pop(key, None)
+
+    def remembered(self, key: JobKey) -> int:
+        """How many things the runtime holds for a job (0 once it ended or was deleted)."""
+        return int(key in self.watched) + len(self.ended_pods.get(key, {})) + int(key in self.locks)
+
+    def keep_only_attempt(self, key: JobKey, uid: str | None, attempt: int) -> None:
+        """Drop remembered pods of earlier attempts and other incarnations: they decide nothing any more."""
+        pods = self.ended_pods.get(key)
+        if pods is None:
+            return
+        for name, body in list(pods.items()):
+            labels = body["metadata"].get("labels") or {}
+            owner = incarnation_uid(body)
+            if labels.get(LABEL_ATTEMPT) != str(attempt) or (owner is not None and owner != uid):
+                del pods[name]
+        if not pods:
+            del self.ended_pods[key]
+
+
+RUNTIME = Runtime()
 
 
 def reset_clients() -> None:
-    """Forget cached API/GCS clients (tests start the operator against fresh endpoints)."""
-    global _cluster, _storage
-    _cluster, _storage = None, None
-    _locks.clear()
-    _watched.clear()
-    _ended_pods.clear()
-
-
-def cluster() -> Cluster:
-    global _cluster
-    if _cluster is None:
-        load_config()
-        _cluster = Cluster()
-    return _cluster
-
-
-def storage_client() -> Any:
-    global _storage
-    if _storage is None:
-        _storage = checkpoints.make_client()
-    return _storage
+    """Start from nothing (tests run the operator against fresh endpoints)."""
+    global RUNTIME
+    RUNTIME = Runtime()
 
 
 @kopf.on.startup()
@@ -68,52 +100,85 @@ def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
     settings.networking.request_timeout = 60
     # Only problems become Events from logs; the reconciler posts its own Events for transitions.
     settings.posting.level = logging.WARNING
-    _locks.clear()  # locks belong to the previous event loop, if any
+    RUNTIME.locks.clear()  # locks belong to the previous event loop, if any
 
 
 @kopf.on.probe(id="reconciles")
 def liveness(**_: Any) -> int:
-    return len(_locks)
+    return len(RUNTIME.watched)
+
+
+def _read_storage(tj: api.TrainingJob) -> tuple[int | None, Any, str | None]:
+    try:
+        client = RUNTIME.storage()
+        latest = checkpoints.latest_committed_step(client, tj.run_dir)
+        return latest, checkpoints.read_progress(client, tj.run_dir), None
+    except checkpoints.StorageError as failure:
+        return None, None, str(failure)
 
 
 def _observe(tj: api.TrainingJob, raw_jobsets: list[dict[str, Any]], pods: list[dict[str, Any]]) -> Observed:
-    latest, progress, error = None, None, None
-    try:
-        client = storage_client()
-        latest = checkpoints.latest_committed_step(client, tj.run_dir)
-        progress = checkpoints.read_progress(client, tj.run_dir)
-    except checkpoints.StorageError as failure:
-        error = str(failure)
-    attempt = tj.status.attempt
-    facts = tuple(
-        jobset_facts(js, pods if js["metadata"].get("labels", {}).get(LABEL_ATTEMPT) == str(attempt) else [])
-        for js in raw_jobsets
-    )
+    uid = tj.metadata.get("uid")
+    latest, progress, error = _read_storage(tj)
+    attempt = str(tj.status.attempt)
+    ours = [p for p in pods if incarnation_uid(p) in (None, uid)]
+    foreign_running = [
+        p
+        for p in pods
+        if incarnation_uid(p) not in (None, uid) and (p.get("status") or {}).get("phase") not in ("Succeeded", "Failed")
+    ]
+    facts = []
+    for js in raw_jobsets:
+        labels = js["metadata"].get("labels") or {}
+        current = labels.get(LABEL_ATTEMPT) == attempt and incarnation_uid(js) == uid
+        attempt_pods = [p for p in ours if (p["metadata"].get("labels") or {}).get(LABEL_ATTEMPT) == attempt]
+        refused = None
+        live = current and not js["metadata"].get("deletionTimestamp") and not (js.get("spec") or {}).get("suspend")
+        if live and len(attempt_pods) < expected_pods(js):  # only then can a refusal be the reason
+            refused = RUNTIME.cluster().pod_creation_refusal(tj.namespace, js["metadata"]["name"])
+        facts.append(jobset_facts(js, attempt_pods if current else [], refused))
     return Observed(
         now=datetime.now(UTC),
-        jobsets=facts,
+        jobsets=tuple(facts),
         latest_committed_step=latest,
         progress=progress,
         storage_error=error,
+        foreign_pods=len(foreign_running),
     )
 
 
+def _refusal_message(error: ApiException) -> str:
+    try:
+        return str(json.loads(error.body or "{}").get("message") or error.reason)
+    except (TypeError, ValueError):
+        return str(error.reason or error)
+
+
+def _dump(status: api.TrainingJobStatus) -> dict[str, Any]:
+    return status.model_dump(by_alias=True, exclude_none=True, mode="json")
+
+
 def _apply(tj: api.TrainingJob, body: dict[str, Any], status: api.TrainingJobStatus, actions: Actions) -> None:
-    kube = cluster()
-    # Status first: if a later step fails, the next reconcile still knows the attempt it is on.
-    # Unchanged status is not written, so idle jobs cost the apiserver only reads.
-    new_status = status.model_dump(by_alias=True, exclude_none=True, mode="json")
-    old_status = body.get("status") or {}
-    if new_status != old_status:
-        # A merge patch keeps keys it does not mention: cleared fields must be sent as null.
-        cleared = {key: None for key in old_status if key not in new_status}
-        kube.patch_status(tj.namespace, tj.name, {**cleared, **new_status})
+    kube = RUNTIME.cluster()
+    # Status first, on the version the decision was made from: if anyone changed the job since, the
+    # write fails (Conflict) and nothing below runs. If a later step fails, the next reconcile still
+    # knows the attempt it is on. Unchanged status is not written, so idle jobs cost only reads.
+    if _dump(status) != (body.get("status") or {}):
+        body = kube.replace_status(body, _dump(status))
     for name in actions.delete:
         kube.delete_jobset(tj.namespace, name)
     if actions.create_attempt is not None:
         manifest = build_jobset(tj, actions.create_attempt, actions.resume_step)
-        if not kube.create_jobset(tj.namespace, manifest):
-            log.info("JobSet %s already exists (adopted)", manifest["metadata"]["name"])
+        try:
+            if not kube.create_jobset(tj.namespace, manifest):
+                log.info("JobSet %s already exists (adopted)", manifest["metadata"]["name"])
+        except ApiException as error:
+            if error.status is None or error.status >= 500 or error.status == 429:
+                raise
+            message = _refusal_message(error)
+            refused = with_creation_refused(status, message, error.status in _PERMANENT_REFUSALS, datetime.now(UTC))
+            kube.replace_status(body, _dump(refused))
+            kube.post_event(body, "Warning", "JobSetRefused", message)
     if actions.set_suspend is not None:
         kube.set_jobset_suspend(tj.namespace, *actions.set_suspend)
     for event in actions.events:
@@ -122,54 +187,59 @@ def _apply(tj: api.TrainingJob, body: dict[str, Any], status: api.TrainingJobSta
 
 def _report_invalid(body: dict[str, Any], error: ValidationError) -> None:
     """A spec that slipped past the CRD's validation (e.g. an older CRD): report it, never crash."""
-    meta = body["metadata"]
     message = "; ".join(f"spec.{'.'.join(str(p) for p in e['loc'])}: {e['msg']}" for e in error.errors())
     current = api.TrainingJobStatus.model_validate(body.get("status") or {})
     if current.phase == "Failed":
         return
     status = with_phase(current, "Failed", "InvalidSpec", message, datetime.now(UTC))
-    cluster().patch_status(
-        meta["namespace"], meta["name"], status.model_dump(by_alias=True, exclude_none=True, mode="json")
-    )
-    cluster().post_event(body, "Warning", "InvalidSpec", message)
+    RUNTIME.cluster().replace_status(body, _dump(status))
+    RUNTIME.cluster().post_event(body, "Warning", "InvalidSpec", message)
 
 
-def reconcile_sync(namespace: str, name: str) -> float | None:
-    kube = cluster()
+def _reconcile_once(namespace: str, name: str) -> float | None:
+    kube = RUNTIME.cluster()
+    key = (namespace, name)
     body = kube.get_training_job(namespace, name)
     if body is None or body["metadata"].get("deletionTimestamp"):
+        RUNTIME.forget(key)
         return None
     try:
         tj = api.TrainingJob.model_validate(body)
     except ValidationError as error:
         _report_invalid(body, error)
+        RUNTIME.forget(key)
         return None
     if tj.status.phase in TERMINAL_PHASES:
-        _watched.discard((namespace, name))
+        RUNTIME.forget(key)
         return None
     raw_jobsets = kube.list_jobsets(namespace, name)
-    listed = kube.list_pods(namespace, name, tj.status.attempt)
-    remembered = _ended_pods.get((namespace, name, str(tj.status.attempt)), {})
-    pods = list({**remembered, **{p["metadata"]["name"]: p for p in listed}}.values())
-    for key in [k for k in _ended_pods if k[:2] == (namespace, name) and k[2] != str(tj.status.attempt)]:
-        del _ended_pods[key]
+    listed = {p["metadata"]["name"]: p for p in kube.list_pods(namespace, name)}
+    pods = list({**RUNTIME.ended_pods.get(key, {}), **listed}.values())
     status, actions = reconcile(tj, _observe(tj, raw_jobsets, pods))
     _apply(tj, body, status, actions)
     if status.phase != tj.status.phase:
         log.info(
-            "%s/%s: %s -> %s (attempt %d, step %s)",
-            namespace,
-            name,
-            tj.status.phase,
-            status.phase,
-            status.attempt,
+            "%s/%s: %s -> %s (attempt %d, step %s)", namespace, name, tj.status.phase, status.phase, status.attempt,
             status.step,
-        )
+        )  # fmt: skip
+    if status.phase in TERMINAL_PHASES:
+        RUNTIME.forget(key)
+    else:
+        RUNTIME.keep_only_attempt(key, tj.metadata.get("uid"), status.attempt)
     return actions.requeue_after
 
 
+def reconcile_sync(namespace: str, name: str) -> float | None:
+    for _ in range(CONFLICT_RETRIES):
+        try:
+            return _reconcile_once(namespace, name)
+        except Conflict as conflict:
+            log.info("%s: re-reading and deciding again", conflict)
+    return 1.0
+
+
 async def reconcile_job(namespace: str, name: str) -> float | None:
-    async with _locks[(namespace, name)]:
+    async with RUNTIME.locks[(namespace, name)]:
         return await asyncio.to_thread(reconcile_sync, namespace, name)
 
 
@@ -182,9 +252,11 @@ async def on_training_job(
     # finalizer here: the JobSet is owned and garbage-collected.
     key = (namespace or "default", name)
     if type == "DELETED":
-        _watched.discard(key)
+        RUNTIME.forget(key)
         return
-    _watched.add(key)
+    if status.get("phase") in TERMINAL_PHASES:
+        return
+    RUNTIME.watched.add(key)
     # New, seen at start-up (type None: the initial listing) or spec changed: reconcile now.
     # Status-only changes (our own writes) wait for the poller.
     if type in (None, "ADDED") or meta.get("generation") != status.get("observedGeneration"):
@@ -194,8 +266,9 @@ async def on_training_job(
 @kopf.on.event("jobset.x-k8s.io", "v1alpha2", "jobsets", labels={LABEL_NAME: kopf.PRESENT})
 async def on_jobset_event(type: str, namespace: str | None, labels: kopf.Labels, **_: Any) -> None:
     # A JobSet changed (e.g. it failed): react now rather than at the next poll.
-    if type in ("MODIFIED", "DELETED") and namespace:
-        await reconcile_job(namespace, labels[LABEL_NAME])
+    key = (namespace or "", labels[LABEL_NAME])
+    if type in ("MODIFIED", "DELETED") and namespace and key in RUNTIME.watched:
+        await reconcile_job(*key)
 
 
 @kopf.on.event("", "v1", "pods", labels={LABEL_NAME: kopf.PRESENT, LABEL_ATTEMPT: kopf.PRESENT})
@@ -203,22 +276,26 @@ async def on_worker_pod_event(type: str, body: kopf.Body, namespace: str | None,
     status = body.get("status") or {}
     disrupted = any(c.get("type") == "DisruptionTarget" for c in status.get("conditions") or [])
     ended = status.get("phase") in ("Failed", "Succeeded") or disrupted or body["metadata"].get("deletionTimestamp")
-    if namespace and (ended or type == "DELETED"):
-        key = (namespace, labels[LABEL_NAME], labels[LABEL_ATTEMPT])
-        _ended_pods[key][body["metadata"]["name"]] = dict(body)
+    key = (namespace or "", labels[LABEL_NAME])
+    # Only live jobs are remembered: pods of finished or deleted jobs must not accumulate.
+    if namespace and key in RUNTIME.watched and (ended or type == "DELETED"):
+        RUNTIME.ended_pods[key][body["metadata"]["name"]] = dict(body)
         if status.get("phase") == "Failed":  # a worker died: react now, not at the next poll
-            await reconcile_job(namespace, labels[LABEL_NAME])
+            await reconcile_job(*key)
 
 
 async def _poll_forever() -> None:
-    """Re-examine every live TrainingJob regularly: progress, hangs, backoff expiry, new checkpoints."""
+    """Re-examine every live TrainingJob regularly: progress, clocks, backoff expiry, new checkpoints."""
     while True:
         await asyncio.sleep(POLL_SECONDS / 2)
-        for namespace, name in sorted(_watched):
+        for namespace, name in sorted(RUNTIME.watched):
             try:
                 await reconcile_job(namespace, name)
             except Exception:  # one job's trouble must not stop the others from being polled
                 log.exception("reconcile of %s/%s failed", namespace, name)
+
+
+_poller: asyncio.Task[None] | None = None
 
 
 @kopf.on.startup()

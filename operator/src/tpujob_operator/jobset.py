@@ -21,7 +21,11 @@ COORDINATOR_PORT = 8476
 
 LABEL_NAME = f"{GROUP}/name"
 LABEL_ATTEMPT = f"{GROUP}/attempt"
+LABEL_UID = f"{GROUP}/uid"  # the TrainingJob incarnation: a same-name successor never adopts what it labels
 ANNOTATION_RESUME_STEP = f"{GROUP}/resume-step"
+# "true" while the operator holds the JobSet suspended for spec.suspend; a suspension without it is
+# someone else's (a queueing system's), which the operator never lifts.
+ANNOTATION_SUSPENDED = f"{GROUP}/suspended"
 EXCLUSIVE_TOPOLOGY = "alpha.jobset.sigs.k8s.io/exclusive-topology"
 JOB_INDEX_ANNOTATION = "jobset.sigs.k8s.io/job-index"
 NODE_POOL_LABEL = "cloud.google.com/gke-nodepool"
@@ -63,6 +67,7 @@ def trainer_env(tj: TrainingJob, attempt: int, resume_step: int | None, js_name:
         *[e.model_dump(by_alias=True, exclude_none=True) for e in tj.spec.env or []],
         _env("TPUJOB_NAME", tj.name),
         _env("TPUJOB_NAMESPACE", tj.namespace),
+        _env("TPUJOB_UID", tj.metadata["uid"]),
         _env("TPUJOB_ATTEMPT", attempt),
         _env("TPUJOB_RESUME_STEP", -1 if resume_step is None else resume_step),
         _env("TPUJOB_RUN_DIR", tj.run_dir),
@@ -109,6 +114,7 @@ def build_jobset(tj: TrainingJob, attempt: int, resume_step: int | None) -> dict
     labels = {
         LABEL_NAME: tj.name,
         LABEL_ATTEMPT: str(attempt),
+        LABEL_UID: str(tj.metadata["uid"]),
         "app.kubernetes.io/managed-by": "tpujob",
     }
     container: dict[str, Any] = {
@@ -141,6 +147,7 @@ def build_jobset(tj: TrainingJob, attempt: int, resume_step: int | None) -> dict
             "annotations": {
                 EXCLUSIVE_TOPOLOGY: NODE_POOL_LABEL,
                 ANNOTATION_RESUME_STEP: str(-1 if resume_step is None else resume_step),
+                ANNOTATION_SUSPENDED: str(tj.spec.suspend).lower(),
             },
             "ownerReferences": [owner_reference(tj)],
         },

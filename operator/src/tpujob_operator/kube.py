@@ -16,6 +16,7 @@ from . import api
 from .facts import JobSetFacts, JobSetState, PodFacts
 from .jobset import (
     ANNOTATION_RESUME_STEP,
+    ANNOTATION_SUSPENDED,
     CONTAINER,
     JOB_INDEX_ANNOTATION,
     JOBSET_GROUP,
@@ -23,6 +24,7 @@ from .jobset import (
     JOBSET_VERSION,
     LABEL_ATTEMPT,
     LABEL_NAME,
+    LABEL_UID,
 )
 
 log = logging.getLogger(__name__)
@@ -44,8 +46,12 @@ def _time(text: str | None) -> datetime | None:
     return datetime.fromisoformat(text.replace("Z", "+00:00")) if text else None
 
 
-def _condition(conditions: list[dict[str, Any]] | None, type_: str) -> dict[str, Any] | None:
-    return next((c for c in conditions or [] if c.get("type") == type_ and c.get("status") == "True"), None)
+def _condition(conditions: list[dict[str, Any]] | None, type_: str, status: str = "True") -> dict[str, Any] | None:
+    return next((c for c in conditions or [] if c.get("type") == type_ and c.get("status") == status), None)
+
+
+class Conflict(RuntimeError):
+    """The object changed since it was read: re-read and decide again."""
 
 
 def pod_facts(pod: dict[str, Any]) -> PodFacts:
@@ -57,9 +63,13 @@ def pod_facts(pod: dict[str, Any]) -> PodFacts:
         (c for c in status.get("containerStatuses") or [] if c.get("name") == CONTAINER), {}
     )
     terminated = (container.get("state") or {}).get("terminated") or {}
+    waiting = (container.get("state") or {}).get("waiting") or {}
     disruption = _condition(status.get("conditions"), "DisruptionTarget")
     scheduled = next((c for c in status.get("conditions") or [] if c.get("type") == "PodScheduled"), None)
     unschedulable = scheduled.get("message") if scheduled and scheduled.get("reason") == "Unschedulable" else None
+    scheduled_at = None
+    if scheduled is not None and scheduled.get("status") == "True":
+        scheduled_at = _time(scheduled.get("lastTransitionTime")) or _time(meta.get("creationTimestamp"))
     return PodFacts(
         name=meta["name"],
         slice=int(slice_text) if slice_text and slice_text.isdigit() else None,
@@ -69,6 +79,10 @@ def pod_facts(pod: dict[str, Any]) -> PodFacts:
         disruption_reason=disruption.get("reason") if disruption else None,
         finished_at=_time(terminated.get("finishedAt")),
         unschedulable_message=unschedulable,
+        created=_time(meta.get("creationTimestamp")),
+        scheduled_at=scheduled_at,
+        waiting_reason=waiting.get("reason"),
+        waiting_message=waiting.get("message"),
     )
 
 
@@ -78,15 +92,39 @@ def jobset_state(jobset: dict[str, Any]) -> tuple[JobSetState, dict[str, Any] | 
         found = _condition(conditions, type_)
         if found:
             return state, found  # type: ignore[return-value]
-    if (jobset.get("spec") or {}).get("suspend") or _condition(conditions, "Suspended"):
+    # spec.suspend is the decision (whoever made it: the operator or a queueing system).
+    if (jobset.get("spec") or {}).get("suspend"):
         return "Suspended", None
     return "Active", None
 
 
-def jobset_facts(jobset: dict[str, Any], pods: list[dict[str, Any]]) -> JobSetFacts:
+def incarnation_uid(obj: dict[str, Any]) -> str | None:
+    """The TrainingJob uid an object belongs to: its label, else its controller owner reference
+    (JobSets created before the label existed)."""
+    meta = obj["metadata"]
+    labelled = (meta.get("labels") or {}).get(LABEL_UID)
+    if labelled:
+        return str(labelled)
+    owner = next((o for o in meta.get("ownerReferences") or [] if o.get("kind") == api.KIND), None)
+    return str(owner["uid"]) if owner else None
+
+
+def expected_pods(jobset: dict[str, Any]) -> int:
+    return sum(
+        int(rj.get("replicas", 1)) * int(((rj.get("template") or {}).get("spec") or {}).get("parallelism", 1))
+        for rj in (jobset.get("spec") or {}).get("replicatedJobs") or []
+    )
+
+
+def jobset_facts(
+    jobset: dict[str, Any], pods: list[dict[str, Any]], pod_creation_refused: str | None = None
+) -> JobSetFacts:
     meta = jobset["metadata"]
     state, condition = jobset_state(jobset)
-    resume = (meta.get("annotations") or {}).get(ANNOTATION_RESUME_STEP, "-1")
+    annotations = meta.get("annotations") or {}
+    resume = annotations.get(ANNOTATION_RESUME_STEP, "-1")
+    conditions = (jobset.get("status") or {}).get("conditions")
+    resumed = _condition(conditions, "Suspended", "False")
     return JobSetFacts(
         name=meta["name"],
         attempt=int((meta.get("labels") or {}).get(LABEL_ATTEMPT, "0")),
@@ -97,6 +135,12 @@ def jobset_facts(jobset: dict[str, Any], pods: list[dict[str, Any]]) -> JobSetFa
         condition_message=(condition or {}).get("message", ""),
         pods=tuple(pod_facts(p) for p in pods),
         deleting=bool(meta.get("deletionTimestamp")),
+        uid=incarnation_uid(jobset),
+        expected_pods=expected_pods(jobset),
+        resumed_at=_time(resumed.get("lastTransitionTime")) if resumed else None,
+        suspended_by_operator=annotations.get(ANNOTATION_SUSPENDED) == "true",
+        resuming=state == "Active" and _condition(conditions, "Suspended") is not None,
+        pod_creation_refused=pod_creation_refused,
     )
 
 
@@ -129,28 +173,62 @@ class Cluster:
         )
         return list(cast(dict[str, Any], found).get("items", []))
 
-    def list_pods(self, namespace: str, name: str, attempt: int) -> list[dict[str, Any]]:
+    def list_pods(self, namespace: str, name: str) -> list[dict[str, Any]]:
+        """Worker pods of every attempt and incarnation of this name; the caller sorts them out."""
         found = self.core.list_namespaced_pod(
-            namespace,
-            label_selector=f"{LABEL_NAME}={name},{LABEL_ATTEMPT}={attempt}",
-            _request_timeout=REQUEST_TIMEOUT_SECONDS,
+            namespace, label_selector=f"{LABEL_NAME}={name}", _request_timeout=REQUEST_TIMEOUT_SECONDS
         )
         # Plain dicts in the API's own camelCase, like every other object the operator reads.
         return [cast(dict[str, Any], self.custom.api_client.sanitize_for_serialization(p)) for p in found.items]
 
-    def patch_status(self, namespace: str, name: str, status: dict[str, Any]) -> None:
-        self.custom.patch_namespaced_custom_object_status(
-            api.GROUP,
-            api.VERSION,
+    def pod_creation_refusal(self, namespace: str, jobset_name: str) -> str | None:
+        """The newest FailedCreate the Job controller reported for this JobSet's Jobs (a quota, Pod
+        Security admission, a webhook): pods that are refused never exist, so only Events say why."""
+        found = self.core.list_namespaced_event(
             namespace,
-            api.PLURAL,
-            name,
-            {"status": status},
+            field_selector="involvedObject.kind=Job,reason=FailedCreate",
             _request_timeout=REQUEST_TIMEOUT_SECONDS,
         )
+        mine = [e for e in found.items if str(e.involved_object.name or "").startswith(f"{jobset_name}-")]
+        if not mine:
+            return None
+        newest = max(mine, key=lambda e: str(e.last_timestamp or e.event_time or e.metadata.creation_timestamp))
+        return str(newest.message or "the Job controller could not create a worker pod")
+
+    def replace_status(self, body: dict[str, Any], status: dict[str, Any]) -> dict[str, Any]:
+        """Write the whole status (no stale nested fields survive) on the object as it was read: its
+        resourceVersion makes the apiserver refuse the write if anyone changed it since (Conflict)."""
+        meta = body["metadata"]
+        request = {
+            "apiVersion": body.get("apiVersion", f"{api.GROUP}/{api.VERSION}"),
+            "kind": body.get("kind", api.KIND),
+            "metadata": {
+                "name": meta["name"],
+                "namespace": meta["namespace"],
+                "resourceVersion": meta["resourceVersion"],
+            },
+            "spec": body.get("spec"),
+            "status": status,
+        }
+        try:
+            written = self.custom.replace_namespaced_custom_object_status(
+                api.GROUP,
+                api.VERSION,
+                meta["namespace"],
+                api.PLURAL,
+                meta["name"],
+                request,
+                _request_timeout=REQUEST_TIMEOUT_SECONDS,
+            )
+            return cast(dict[str, Any], written)
+        except ApiException as error:
+            if error.status == 409:
+                raise Conflict(f"{meta['namespace']}/{meta['name']} changed since it was read") from error
+            raise
 
     def create_jobset(self, namespace: str, manifest: dict[str, Any]) -> bool:
-        """False when it already exists: creation is idempotent by name."""
+        """False when it already exists: creation is idempotent by name. Any other refusal (invalid,
+        forbidden by a quota or an admission policy) raises ApiException for the caller to report."""
         try:
             self.custom.create_namespaced_custom_object(
                 JOBSET_GROUP,
@@ -221,12 +299,14 @@ class Cluster:
         self.core.create_namespaced_event(meta["namespace"], cast(Any, event), _request_timeout=REQUEST_TIMEOUT_SECONDS)
 
     def set_jobset_suspend(self, namespace: str, name: str, suspend: bool) -> None:
+        annotations = {ANNOTATION_SUSPENDED: str(suspend).lower()}
+        patch = {"metadata": {"annotations": annotations}, "spec": {"suspend": suspend}}
         self.custom.patch_namespaced_custom_object(
             JOBSET_GROUP,
             JOBSET_VERSION,
             namespace,
             JOBSET_PLURAL,
             name,
-            {"spec": {"suspend": suspend}},
+            patch,
             _request_timeout=REQUEST_TIMEOUT_SECONDS,
         )

@@ -2,54 +2,164 @@
 
 Level-triggered: it looks only at the TrainingJob's status and the world as observed now, so it is
 safe to run after an operator restart, twice in a row, or from any event.
+
+A live attempt is always on exactly one clock (status.stage), each with its own deadline:
+Scheduling (not every worker pod is scheduled: waiting for capacity is normal, no deadline unless
+the user sets one), StartingUp (pods placed, no step yet: image pull, restore, compilation) and
+Training (no new step). No clock runs while the job is suspended or while checkpoint storage cannot
+be read, and every clock starts again when a suspension ends or storage comes back.
 """
 
 from __future__ import annotations
 
-from .api import FailureRecord, TrainingJob, TrainingJobStatus
-from .facts import Actions, Event, JobSetFacts, Observed
+import dataclasses
+from datetime import datetime
+
+from .api import FailureRecord, Phase, Stage, TrainingJob, TrainingJobStatus
+from .facts import Actions, Event, JobSetFacts, Observed, PodFacts
 from .jobset import jobset_name
-from .restarts import Failure, backoff, budget_left, classify_jobset_failure, counts_against_budget, hung
-from .status import parse_time, rfc3339, with_observations, with_phase
+from .restarts import (
+    TERMINAL_KINDS,
+    Failure,
+    backoff,
+    budget_left,
+    classify_jobset_failure,
+    counts_against_budget,
+    expired,
+)
+from .status import parse_time, rfc3339, set_condition, with_observations, with_phase
 
 TERMINAL_PHASES = ("Succeeded", "Failed")
 # How often a running job is re-examined without events (progress, hang, new checkpoints).
 POLL_SECONDS = 10.0
+STORAGE_CONDITION = "CheckpointStorageReachable"
+# Container waiting reasons that keep a started pod from ever running until someone fixes something.
+_STUCK_WAITING_REASONS = (
+    "ImagePullBackOff",
+    "ErrImagePull",
+    "InvalidImageName",
+    "CreateContainerConfigError",
+    "CreateContainerError",
+)
 
 
 def reconcile(tj: TrainingJob, observed: Observed) -> tuple[TrainingJobStatus, Actions]:
     now = observed.now
+    uid = tj.metadata.get("uid")
     status = tj.status.model_copy(update={"observed_generation": tj.metadata.get("generation")})
     actions = Actions()
     if status.start_time is None:
         status.start_time = rfc3339(now)
-    live = [js for js in observed.jobsets if not js.deleting]
+    # A record or JobSet of another incarnation of this name is never taken for ours.
+    if observed.progress is not None and observed.progress.uid != uid:
+        observed = dataclasses.replace(observed, progress=None)
+    ours = [js for js in observed.jobsets if js.uid == uid]
+    foreign = [js for js in observed.jobsets if js.uid != uid]
+    live = [js for js in ours if not js.deleting]
     # Adopt a JobSet created just before an operator crash, before its attempt reached status.
     attempt = max([status.attempt, *(js.attempt for js in live)])
     status.attempt = attempt
     status.job_set_name = jobset_name(tj.name, attempt)
     current = next((js for js in live if js.attempt == attempt), None)
     actions.delete = [js.name for js in live if js.attempt < attempt]
+    status = _with_storage(status, observed, actions)
+    restored_before = status.resumed_from_step
     status = with_observations(status, observed)
-    if observed.storage_error != status.checkpoint_storage_error:
-        if observed.storage_error:
-            actions.events.append(Event("Warning", "CheckpointStorageError", observed.storage_error))
-        status.checkpoint_storage_error = observed.storage_error
+    _report_restore_fallback(status, observed, restored_before, actions)
 
     if status.phase in TERMINAL_PHASES:
-        return status, actions
+        return _staged(status, "Finished", now), actions
+    if foreign:
+        return _remove_foreign(tj, status, observed, actions, foreign)
     if current is None:
         return _without_jobset(tj, status, observed, actions)
     if current.state == "Completed":
         status.completion_time = rfc3339(now)
         actions.events.append(Event("Normal", "Succeeded", f"training finished at step {status.step}"))
-        return with_phase(status, "Succeeded", "JobSetCompleted", f"JobSet {current.name} completed", now), actions
+        done = with_phase(status, "Succeeded", "JobSetCompleted", f"JobSet {current.name} completed", now)
+        return _staged(done, "Finished", now), actions
+    if tj.spec.suspend or current.state == "Suspended" or current.resuming:
+        # Pods stopped by a suspension exit 143 after saving: that is not a failure, never classified.
+        return _suspension(tj, status, observed, actions, current)
+    current = _without_pods_from_before_resume(current)
     # A failed worker fails the attempt (every Job has backoffLimit 0). Acting on the pod, not on the
     # JobSet's Failed condition, saves the time the Job controller spends waiting for the slice's
     # other pods to terminate before it marks the Job failed.
     if current.state == "Failed" or any(p.phase == "Failed" for p in current.pods):
         return _after_failure(tj, status, observed, actions, current, classify_jobset_failure(current))
     return _while_active(tj, status, observed, actions, current)
+
+
+def _phase_reason(status: TrainingJobStatus) -> str | None:
+    return next((c.reason for c in status.conditions if c.type == status.phase and c.status == "True"), None)
+
+
+def _enter(
+    status: TrainingJobStatus, phase: Phase, reason: str, message: str, stage: Stage, now: datetime
+) -> TrainingJobStatus:
+    return _staged(with_phase(status, phase, reason, message, now), stage, now)
+
+
+def _staged(status: TrainingJobStatus, stage: Stage, now: datetime) -> TrainingJobStatus:
+    """Enter `stage`; its start time moves only when the stage changes."""
+    if status.stage == stage and status.stage_start_time:
+        return status
+    return status.model_copy(update={"stage": stage, "stage_start_time": rfc3339(now)})
+
+
+def _with_storage(status: TrainingJobStatus, observed: Observed, actions: Actions) -> TrainingJobStatus:
+    """CheckpointStorageReachable, the error text, and when storage came back (the clocks restart there)."""
+    error, previous = observed.storage_error, status.checkpoint_storage_error
+    update: dict[str, object] = {"checkpoint_storage_error": error}
+    if error and error != previous:
+        actions.events.append(Event("Warning", "CheckpointStorageError", error))
+    if previous and not error:
+        update["storage_recovery_time"] = rfc3339(observed.now)
+        actions.events.append(Event("Normal", "CheckpointStorageReachable", "checkpoint storage is readable again"))
+    reason, message = ("Unreachable", error) if error else ("Readable", "the run directory can be read")
+    update["conditions"] = set_condition(
+        status.conditions, STORAGE_CONDITION, error is None, reason, message, observed.now
+    )
+    return status.model_copy(update=update)
+
+
+def _report_restore_fallback(
+    status: TrainingJobStatus, observed: Observed, restored_before: int | None, actions: Actions
+) -> None:
+    progress = observed.progress
+    if progress is None or progress.attempt != status.attempt or not progress.restore_failures:
+        return
+    if restored_before == status.resumed_from_step:
+        return  # already reported
+    broken = ", ".join(f"step {f.step} ({f.error})" for f in progress.restore_failures)
+    restored = "nothing: fresh start" if progress.restored_step is None else f"step {progress.restored_step}"
+    actions.events.append(
+        Event("Warning", "RestoreFallback", f"attempt {status.attempt} could not restore {broken}; restored {restored}")
+    )
+
+
+def _known_latest_step(status: TrainingJobStatus, observed: Observed) -> int | None:
+    """GCS's latest committed step, or while storage cannot be read, the last one seen."""
+    if observed.storage_error is None:
+        return observed.latest_committed_step
+    return status.latest_checkpoint.step if status.latest_checkpoint else None
+
+
+def _remove_foreign(
+    tj: TrainingJob, status: TrainingJobStatus, observed: Observed, actions: Actions, foreign: list[JobSetFacts]
+) -> tuple[TrainingJobStatus, Actions]:
+    """JobSets of an earlier TrainingJob of this name (orphaned by a --cascade=orphan delete) would
+    write the same run directory: remove them, and start only when they and their pods are gone."""
+    actions.requeue_after = 2.0
+    for js in foreign:
+        if not js.deleting:
+            actions.delete.append(js.name)
+            actions.events.append(
+                Event("Normal", "OrphanRemoved", f"deleted JobSet {js.name} of an earlier TrainingJob named {tj.name}")
+            )
+    names = ", ".join(js.name for js in foreign)
+    message = f"waiting for JobSets of an earlier TrainingJob of this name to go away: {names}"
+    return _enter(status, "Pending", "RemovingOrphans", message, "Scheduling", observed.now), actions
 
 
 def _without_jobset(
@@ -59,19 +169,31 @@ def _without_jobset(
     due = parse_time(status.next_restart_time)
     if due is not None and due > now:
         actions.requeue_after = (due - now).total_seconds()
-        return status, actions
+        return _staged(status, "BackingOff", now), actions
+    if observed.foreign_pods:
+        actions.requeue_after = 2.0
+        message = f"waiting for {observed.foreign_pods} worker pods of an earlier TrainingJob of this name to end"
+        return _enter(status, "Pending", "RemovingOrphans", message, "Scheduling", now), actions
+    # Without storage the latest committed step is unknown: leave the choice to the trainer (-1),
+    # which waits for storage at start and then restores the latest committed step itself.
+    latest = observed.latest_committed_step if observed.storage_error is None else None
     actions.create_attempt = status.attempt
-    actions.resume_step = observed.latest_committed_step
+    actions.resume_step = latest
     actions.requeue_after = POLL_SECONDS
     status.next_restart_time = None
-    status.resumed_from_step = observed.latest_committed_step
-    if status.attempt > 0:  # training goes back to the committed step; the old attempt's numbers are gone
-        status.step, status.loss = observed.latest_committed_step, None
-    where = (
-        f"from committed step {observed.latest_committed_step}"
-        if observed.latest_committed_step is not None
-        else "from scratch"
-    )
+    status.resumed_from_step = latest
+    if status.attempt > 0 and observed.storage_error is None:
+        # training goes back to the committed step; the old attempt's numbers are gone
+        status.step, status.loss = latest, None
+    if observed.storage_error is not None:
+        where = "from the latest committed step (storage unreadable now: the trainer finds it)"
+    elif latest is not None:
+        where = f"from committed step {latest}"
+    else:
+        where = "from scratch"
+    status = _staged(status, "Scheduling", now)
+    if _phase_reason(status) == "JobSetRefused":
+        return status, actions  # tried again; the refusal stays reported until the JobSet exists
     if status.phase is None:
         actions.events.append(Event("Normal", "Created", f"created JobSet {status.job_set_name}, starting {where}"))
         return with_phase(status, "Pending", "JobSetCreated", f"starting {where}", now), actions
@@ -81,51 +203,119 @@ def _without_jobset(
     return with_phase(status, "Restarting", "Restoring", f"attempt {status.attempt} resumes {where}", now), actions
 
 
-def _while_active(
+def _suspension(
     tj: TrainingJob, status: TrainingJobStatus, observed: Observed, actions: Actions, current: JobSetFacts
 ) -> tuple[TrainingJobStatus, Actions]:
     now = observed.now
     actions.requeue_after = POLL_SECONDS
     if tj.spec.suspend:
-        if current.state != "Suspended":
+        if current.state != "Suspended" or not current.suspended_by_operator:
             actions.set_suspend = (current.name, True)
             actions.events.append(
                 Event("Normal", "Suspended", f"suspended JobSet {current.name}; checkpoints are kept")
             )
-        return with_phase(status, "Suspended", "Suspended", "spec.suspend is true", now), actions
-    if current.state == "Suspended":
-        if current.resume_step == observed.latest_committed_step:
-            actions.set_suspend = (current.name, False)
-        else:
-            # Its pods would resume from a stale pinned step: replace it with a fresh attempt.
-            status.attempt += 1
-            status.job_set_name = jobset_name(tj.name, status.attempt)
-            actions.delete.append(current.name)
-        actions.events.append(Event("Normal", "Resumed", "spec.suspend is false: resuming"))
-        return with_phase(status, "Pending", "Resuming", "resuming after suspension", now), actions
+        return _enter(status, "Suspended", "Suspended", "spec.suspend is true", "Suspended", now), actions
+    if current.resuming:
+        message = f"JobSet {current.name} is resuming"
+        return _enter(status, "Pending", "Resuming", message, "Suspended", now), actions
+    if not current.suspended_by_operator:
+        # Someone else (a queueing system) suspended it: its decision stands until it resumes the JobSet.
+        message = f"JobSet {current.name} was suspended by another controller; training resumes when it is resumed"
+        return _enter(status, "Suspended", "SuspendedExternally", message, "Suspended", now), actions
+    latest = _known_latest_step(status, observed)
+    if current.resume_step == latest or observed.storage_error is not None:
+        actions.set_suspend = (current.name, False)
+    else:
+        # Its pods would resume from a stale pinned step (the suspension saved a newer one): replace it
+        # with a fresh attempt. Not a restart: nothing failed.
+        status.attempt += 1
+        status.job_set_name = jobset_name(tj.name, status.attempt)
+        actions.delete.append(current.name)
+    actions.events.append(Event("Normal", "Resumed", "spec.suspend is false: resuming"))
+    return _enter(status, "Pending", "Resuming", "resuming after suspension", "Scheduling", now), actions
 
-    progressing = observed.progress is not None and observed.progress.attempt == status.attempt
-    last_progress = parse_time(status.last_progress_time) if progressing else current.created
-    if last_progress is not None and hung(now, last_progress, tj.spec.restart.hang_timeout_seconds):
+
+def _without_pods_from_before_resume(current: JobSetFacts) -> JobSetFacts:
+    """Pods that a suspension stopped (exit 143 after their save) are history once the JobSet resumed."""
+    resumed = current.resumed_at
+    if resumed is None:
+        return current
+    kept = tuple(p for p in current.pods if p.created is None or p.created >= resumed)
+    return dataclasses.replace(current, pods=kept)
+
+
+def _clock_floor(status: TrainingJobStatus, current: JobSetFacts) -> datetime:
+    """No clock counts time before the attempt's JobSet existed, before it was last resumed, or
+    while checkpoint storage could not be read."""
+    recovered = parse_time(status.storage_recovery_time)
+    return max(t for t in (current.created, current.resumed_at, recovered) if t is not None)
+
+
+def _stuck_pod(pods: tuple[PodFacts, ...]) -> PodFacts | None:
+    return next((p for p in pods if p.waiting_reason in _STUCK_WAITING_REASONS), None)
+
+
+def _while_active(
+    tj: TrainingJob, status: TrainingJobStatus, observed: Observed, actions: Actions, current: JobSetFacts
+) -> tuple[TrainingJobStatus, Actions]:
+    now = observed.now
+    policy = tj.spec.restart
+    actions.requeue_after = POLL_SECONDS
+    waiting_phase: Phase = "Restarting" if status.phase == "Restarting" else "Pending"
+    if observed.storage_error is not None:
+        # Progress is unknown, so no clock may decide anything: keep what was known and say why.
+        message = f"checkpoint storage unreadable, no timeout applies until it is back: {observed.storage_error}"
+        phase = status.phase if status.phase in ("Running", "Restarting", "Pending") else waiting_phase
+        return with_phase(status, phase or "Pending", "StorageUnreachable", message, now), actions
+    floor = _clock_floor(status, current)
+    started = current.resumed_at or current.created
+    progress = observed.progress
+    progressing = progress is not None and progress.attempt == status.attempt and progress.updated_at >= started
+    scheduled = [p.scheduled_at for p in current.pods if p.scheduled_at is not None]
+    expected = current.expected_pods or len(current.pods)
+
+    if not progressing and (len(scheduled) < expected or expected == 0):
+        status = _staged(status, "Scheduling", now)
+        if expired(now, floor, policy.scheduling_timeout_seconds):
+            timeout = f"{len(scheduled)}/{expected} worker pods scheduled after {policy.scheduling_timeout_seconds}s"
+            failure = Failure("SchedulingTimeout", "SchedulingTimeout", timeout, None, now)
+            return _after_failure(tj, status, observed, actions, current, failure)
+        unschedulable = next((p.unschedulable_message for p in current.pods if p.unschedulable_message), None)
+        if current.pod_creation_refused:
+            reason, message = "PodCreationRefused", current.pod_creation_refused
+        elif unschedulable:
+            reason, message = "Unschedulable", unschedulable
+        else:
+            reason, message = "Scheduling", f"{len(scheduled)}/{expected} worker pods scheduled"
+        return with_phase(status, waiting_phase, reason, message, now), actions
+
+    if not progressing:
+        status = _staged(status, "StartingUp", now)
+        since = max([floor, *scheduled])
+        if expired(now, since, policy.startup_timeout_seconds):
+            timeout = f"no step within {policy.startup_timeout_seconds}s of all pods being scheduled"
+            failure = Failure("StartupTimeout", "StartupTimeout", timeout, None, now)
+            return _after_failure(tj, status, observed, actions, current, failure)
+        stuck = _stuck_pod(current.pods)
+        if stuck is not None:
+            reason = stuck.waiting_reason or "Starting"
+            message = f"pod {stuck.name}: {stuck.waiting_message or reason}"
+        else:
+            reason, message = "Starting", f"JobSet {current.name} is starting (image pull, restore, compilation)"
+        return with_phase(status, waiting_phase, reason, message, now), actions
+
+    status = _staged(status, "Training", now)
+    last_progress = parse_time(status.last_progress_time) or floor
+    since = max(floor, last_progress)
+    if expired(now, since, policy.hang_timeout_seconds):
         hang = Failure(
             "Hang",
             "NoProgress",
-            f"no step progress for {tj.spec.restart.hang_timeout_seconds}s (last at {rfc3339(last_progress)})",
+            f"no step progress for {policy.hang_timeout_seconds}s (last at {rfc3339(last_progress)})",
             None,
             now,
         )
         return _after_failure(tj, status, observed, actions, current, hang)
-    if not progressing:
-        unschedulable = next((p.unschedulable_message for p in current.pods if p.unschedulable_message), None)
-        if unschedulable:
-            return with_phase(status, "Pending", "Unschedulable", unschedulable, now), actions
-        return with_phase(
-            status,
-            status.phase if status.phase == "Restarting" else "Pending",
-            "Starting",
-            f"JobSet {current.name} is starting",
-            now,
-        ), actions
     if status.phase != "Running":
         actions.events.append(Event("Normal", "Running", f"attempt {status.attempt} is training (step {status.step})"))
     return with_phase(status, "Running", "Training", f"training at step {status.step}", now), actions
@@ -142,11 +332,11 @@ def _after_failure(
     now = observed.now
     policy = tj.spec.restart
     counted = counts_against_budget(failure.kind, policy)
-    latest = observed.latest_committed_step
-    reported_step = (
-        status.step if observed.progress is not None and observed.progress.attempt == status.attempt else None
-    )
+    latest = _known_latest_step(status, observed)
+    progress = observed.progress
+    reported_step = status.step if progress is not None and progress.attempt == status.attempt else None
     lost = max(0, reported_step - (latest if latest is not None else 0)) if reported_step is not None else None
+    # A fresh record: nothing of the previous failure may survive in it.
     status.last_failure = FailureRecord(
         time=rfc3339(failure.time or now),
         kind=failure.kind,
@@ -161,6 +351,11 @@ def _after_failure(
     status.lost_steps += lost or 0
     where = f"slice {failure.slice}" if failure.slice is not None else "a slice"
     actions.events.append(Event("Warning", "FailureDetected", f"{failure.kind} on {where}: {failure.message}"))
+    if failure.kind in TERMINAL_KINDS:
+        status.completion_time = rfc3339(now)
+        actions.events.append(Event("Warning", failure.reason, f"{failure.message}; no restart can fix this"))
+        failed = with_phase(status, "Failed", failure.reason, failure.message, now)
+        return _staged(failed, "Finished", now), actions
     if counted and not budget_left(policy, status.counted_restarts):
         actions.events.append(
             Event(
@@ -172,7 +367,7 @@ def _after_failure(
         status.completion_time = rfc3339(now)
         used = f"{status.counted_restarts}/{policy.max_restarts}"
         message = f"restart budget exhausted ({used}); last failure: {failure.kind}: {failure.message}"
-        return with_phase(status, "Failed", "RestartBudgetExhausted", message, now), actions
+        return _enter(status, "Failed", "RestartBudgetExhausted", message, "Finished", now), actions
     status.restarts += 1
     status.counted_restarts += int(counted)
     delay = backoff(policy, status.counted_restarts, counted)
@@ -190,4 +385,15 @@ def _after_failure(
         )
     )
     message = f"{failure.kind} ({failure.reason}); attempt {status.attempt} resumes from {resume}"
-    return with_phase(status, "Restarting", failure.reason, message, now), actions
+    return _staged(with_phase(status, "Restarting", failure.reason, message, now), "BackingOff", now), actions
+
+
+def with_creation_refused(status: TrainingJobStatus, message: str, permanent: bool, now: datetime) -> TrainingJobStatus:
+    """The apiserver (schema, quota, admission) refused the attempt's JobSet. A refusal that only a
+    spec change can fix (invalid) fails the job; one that may pass later (quota, policy) keeps it
+    Pending and is tried again at the next reconcile."""
+    text = f"the apiserver refused JobSet {status.job_set_name}: {message}"
+    if permanent:
+        status = status.model_copy(update={"completion_time": rfc3339(now)})
+        return _enter(status, "Failed", "JobSetRefused", text, "Finished", now)
+    return with_phase(status, "Pending", "JobSetRefused", text, now)

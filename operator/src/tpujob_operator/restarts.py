@@ -10,6 +10,13 @@ from .facts import JobSetFacts, PodFacts
 
 # The trainer exits 143 after SIGTERM (and after saving the current step, if configured).
 SIGTERM_EXIT_CODE = 143
+# The trainer's exit codes that name a cause (trainer_image/README.md, "Exit codes").
+STORAGE_EXIT_CODE = 3  # checkpoint storage stayed unreachable for TPUJOB_STORAGE_WAIT_SECONDS at start
+INCOMPATIBLE_EXIT_CODE = 4  # no committed checkpoint could be restored (e.g. a changed model)
+# Kinds that no restart can fix: the job fails at once, without spending the budget.
+TERMINAL_KINDS: frozenset[FailureKind] = frozenset({"CheckpointIncompatible"})
+# Kinds that are not the job's fault and never count against maxRestarts.
+_NEVER_COUNTED: frozenset[FailureKind] = frozenset({"StorageUnavailable", "CheckpointIncompatible"})
 # DisruptionTarget reasons (pod condition set by Kubernetes) and what they mean for a TPU slice.
 _INFRASTRUCTURE_DISRUPTIONS: dict[str, FailureKind] = {
     "PreemptionByScheduler": "Preemption",
@@ -51,6 +58,23 @@ def classify_pod(pod: PodFacts) -> Failure | None:
             pod.slice,
             pod.finished_at,
         )
+    if pod.exit_code == STORAGE_EXIT_CODE:
+        return Failure(
+            "StorageUnavailable",
+            "StorageUnreachable",
+            f"pod {pod.name} could not reach checkpoint storage (exit {STORAGE_EXIT_CODE})",
+            pod.slice,
+            pod.finished_at,
+        )
+    if pod.exit_code == INCOMPATIBLE_EXIT_CODE:
+        return Failure(
+            "CheckpointIncompatible",
+            "CheckpointIncompatible",
+            f"pod {pod.name} could restore no committed checkpoint (exit {INCOMPATIBLE_EXIT_CODE}); "
+            "the model no longer matches the run directory's checkpoints",
+            pod.slice,
+            pod.finished_at,
+        )
     if pod.exit_code is not None and pod.exit_code != 0:
         reason = pod.reason if pod.reason and pod.reason != "Error" else f"ExitCode{pod.exit_code}"
         return Failure(
@@ -80,6 +104,8 @@ def classify_jobset_failure(jobset: JobSetFacts) -> Failure:
 
 
 def counts_against_budget(kind: FailureKind, policy: RestartSpec) -> bool:
+    if kind in _NEVER_COUNTED:
+        return False
     if kind in ("Preemption", "NodeLost"):
         return policy.count_preemptions
     return True
@@ -94,9 +120,11 @@ def backoff(policy: RestartSpec, counted_restarts: int, counted: bool) -> timede
     failures restart after the base delay, since waiting longer only loses training time."""
     if not counted or counted_restarts <= 0:
         return timedelta(seconds=min(policy.backoff_seconds, policy.max_backoff_seconds))
-    seconds = policy.backoff_seconds * 2 ** (counted_restarts - 1)
+    # The exponent is capped: past 2**32 the maximum wins anyway, and a huge power would overflow timedelta.
+    seconds = policy.backoff_seconds * 2 ** min(counted_restarts - 1, 32)
     return timedelta(seconds=min(seconds, policy.max_backoff_seconds))
 
 
-def hung(now: datetime, last_progress: datetime, hang_timeout_seconds: int) -> bool:
-    return hang_timeout_seconds > 0 and (now - last_progress).total_seconds() > hang_timeout_seconds
+def expired(now: datetime, since: datetime, timeout_seconds: int) -> bool:
+    """A stage clock that started at `since` ran past its timeout (0: the stage never times out)."""
+    return timeout_seconds > 0 and (now - since).total_seconds() > timeout_seconds

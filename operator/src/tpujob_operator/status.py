@@ -55,11 +55,13 @@ def with_observations(status: TrainingJobStatus, observed: Observed) -> Training
             update["latest_checkpoint"] = CheckpointRef(step=latest, time=rfc3339(observed.now))
     progress = observed.progress
     if progress is not None and progress.attempt == status.attempt:
+        # The step actually restored: the trainer falls back to an older one when the pinned step is broken.
+        restored = progress.restored_step if progress.restored_step is not None else progress.resumed_from_step
         update.update(
             step=progress.step,
             loss=progress.loss,
             last_progress_time=rfc3339(progress.updated_at),
-            resumed_from_step=progress.resumed_from_step,
+            resumed_from_step=restored,
         )
         failure = status.last_failure
         if failure is not None and failure.recovery_seconds is None and progress.step > (failure.resume_step or -1):

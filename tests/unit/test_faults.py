@@ -1,0 +1,267 @@
+"""The reconciler on a fleet's bad days: storage outages, long scheduling, suspension, re-created
+jobs, broken checkpoints, refused objects. Each decision is checked on the pure function."""
+
+from datetime import UTC, datetime, timedelta
+
+from tpujob_operator.api import RestartSpec
+from tpujob_operator.facts import JobSetFacts, Observed, PodFacts, Progress, RestoreFailure
+from tpujob_operator.reconcile import reconcile, with_creation_refused
+from tpujob_operator.restarts import backoff
+from tpujob_operator.status import rfc3339
+
+from .factories import training_job
+
+T0 = datetime(2026, 11, 30, 12, 0, tzinfo=UTC)
+UID = "0000-1111"
+HOUR = timedelta(hours=1)
+
+
+def _jobset(attempt=0, state="Active", created=T0, pods=(), uid=UID, **facts):
+    return JobSetFacts(f"llama-a{attempt}", attempt, None, created, state, pods=pods, uid=uid, **facts)
+
+
+def _scheduled(name="w0", at=T0, phase="Running", **facts):
+    return PodFacts(name, 0, phase, created=at, scheduled_at=at, **facts)
+
+
+def _progress(step=50, attempt=0, at=T0, uid=UID, **fields):
+    return Progress(step=step, attempt=attempt, updated_at=at, uid=uid, **fields)
+
+
+def _condition(status, type_):
+    return next(((c.status, c.reason, c.message) for c in status.conditions if c.type == type_), None)
+
+
+def _running(**spec):
+    return training_job(
+        status={"phase": "Running", "attempt": 0, "step": 50, "lastProgressTime": rfc3339(T0), "stage": "Training"},
+        **spec,
+    )
+
+
+# --- storage faults are not job faults ---------------------------------------------------------------
+
+
+def test_storage_outage_longer_than_the_hang_timeout_is_reported_not_a_hang():
+    tj = _running(restart={"hangTimeoutSeconds": 60})
+    late = T0 + HOUR
+    status, actions = reconcile(
+        tj, Observed(now=late, jobsets=(_jobset(pods=(_scheduled(),)),), storage_error="listing failed: 503")
+    )
+    assert status.phase == "Running" and status.restarts == 0 and actions.delete == []
+    assert (status.step, status.last_progress_time) == (50, rfc3339(T0))  # the last known progress is kept
+    assert _condition(status, "CheckpointStorageReachable")[:2] == ("False", "Unreachable")
+    assert status.checkpoint_storage_error == "listing failed: 503"
+    assert "CheckpointStorageError" in [e.reason for e in actions.events]
+
+
+def test_after_an_outage_the_hang_clock_starts_again_at_the_recovery():
+    tj = _running(restart={"hangTimeoutSeconds": 60})
+    pods = (_scheduled(),)
+    down = training_job(
+        restart={"hangTimeoutSeconds": 60},
+        status={**tj.status.model_dump(by_alias=True, exclude_none=True), "checkpointStorageError": "503"},
+    )
+    back = T0 + HOUR
+    status, actions = reconcile(down, Observed(now=back, jobsets=(_jobset(pods=pods),), progress=_progress()))
+    assert status.phase == "Running" and status.storage_recovery_time == rfc3339(back)
+    assert _condition(status, "CheckpointStorageReachable")[:2] == ("True", "Readable")
+    assert "CheckpointStorageReachable" in [e.reason for e in actions.events]
+    later = training_job(restart={"hangTimeoutSeconds": 60}, status=status.model_dump(by_alias=True, exclude_none=True))
+    still, _ = reconcile(
+        later, Observed(now=back + timedelta(seconds=59), jobsets=(_jobset(pods=pods),), progress=_progress())
+    )
+    assert still.phase == "Running"
+    hung, _ = reconcile(
+        later, Observed(now=back + timedelta(seconds=61), jobsets=(_jobset(pods=pods),), progress=_progress())
+    )
+    assert hung.last_failure is not None and hung.last_failure.kind == "Hang"
+
+
+def test_a_worker_that_gave_up_on_storage_restarts_without_spending_the_budget():
+    tj = _running(restart={"maxRestarts": 0})
+    pods = (_scheduled(phase="Failed", exit_code=3, finished_at=T0),)
+    status, _ = reconcile(tj, Observed(now=T0, jobsets=(_jobset(pods=pods),), latest_committed_step=40))
+    assert status.phase == "Restarting" and (status.restarts, status.counted_restarts) == (1, 0)
+    assert status.last_failure.kind == "StorageUnavailable" and status.last_failure.counted is False
+
+
+def test_a_restart_during_an_outage_lets_the_trainer_find_the_latest_step():
+    tj = training_job(status={"phase": "Restarting", "attempt": 1, "latestCheckpoint": {"step": 40}})
+    status, actions = reconcile(tj, Observed(now=T0, storage_error="timeout"))
+    assert actions.create_attempt == 1 and actions.resume_step is None
+    assert status.latest_checkpoint.step == 40
+
+
+# --- one clock per stage ------------------------------------------------------------------------------
+
+
+def test_waiting_an_hour_for_capacity_is_not_a_hang():
+    tj = training_job(restart={"hangTimeoutSeconds": 60}, status={"phase": "Pending", "attempt": 0})
+    pods = (
+        PodFacts(
+            "w0", 0, "Pending", created=T0, unschedulable_message="0/4 nodes are available: Insufficient google.com/tpu"
+        ),
+    )
+    status, actions = reconcile(tj, Observed(now=T0 + HOUR, jobsets=(_jobset(pods=pods, expected_pods=2),)))
+    assert status.phase == "Pending" and status.stage == "Scheduling" and status.restarts == 0
+    assert _condition(status, "Pending")[:2] == ("True", "Unschedulable")
+    assert "Insufficient google.com/tpu" in _condition(status, "Pending")[2]
+    assert actions.delete == []
+
+
+def test_a_scheduling_timeout_applies_only_when_set():
+    tj = training_job(restart={"schedulingTimeoutSeconds": 600}, status={"phase": "Pending", "attempt": 0})
+    pods = (PodFacts("w0", 0, "Pending", created=T0),)
+    early, _ = reconcile(tj, Observed(now=T0 + timedelta(seconds=599), jobsets=(_jobset(pods=pods, expected_pods=1),)))
+    assert early.phase == "Pending"
+    late, actions = reconcile(
+        tj, Observed(now=T0 + timedelta(seconds=601), jobsets=(_jobset(pods=pods, expected_pods=1),))
+    )
+    assert late.last_failure.kind == "SchedulingTimeout" and late.counted_restarts == 1
+    assert actions.delete == ["llama-a0"]
+
+
+def test_start_up_has_its_own_clock_and_reports_a_stuck_image_pull():
+    tj = training_job(
+        restart={"hangTimeoutSeconds": 60, "startupTimeoutSeconds": 900}, status={"phase": "Pending", "attempt": 0}
+    )
+    placed = T0 + HOUR  # scheduled after an hour of waiting for capacity
+    pods = (
+        _scheduled(
+            at=placed, phase="Pending", waiting_reason="ImagePullBackOff", waiting_message="Back-off pulling image"
+        ),
+    )
+    js = _jobset(pods=pods, expected_pods=1)
+    status, _ = reconcile(tj, Observed(now=placed + timedelta(seconds=899), jobsets=(js,)))
+    assert (status.phase, status.stage) == ("Pending", "StartingUp")
+    assert _condition(status, "Pending")[:2] == ("True", "ImagePullBackOff")
+    timed_out, _ = reconcile(tj, Observed(now=placed + timedelta(seconds=901), jobsets=(js,)))
+    assert timed_out.last_failure.kind == "StartupTimeout"
+
+
+def test_create_container_config_error_is_reported():
+    tj = training_job(status={"phase": "Pending", "attempt": 0})
+    pods = (
+        _scheduled(
+            phase="Pending", waiting_reason="CreateContainerConfigError", waiting_message='secret "hf" not found'
+        ),
+    )
+    status, _ = reconcile(tj, Observed(now=T0, jobsets=(_jobset(pods=pods, expected_pods=1),)))
+    assert _condition(status, "Pending") == ("True", "CreateContainerConfigError", 'pod w0: secret "hf" not found')
+
+
+def test_pods_refused_by_admission_are_reported():
+    tj = training_job(status={"phase": "Pending", "attempt": 0})
+    refusal = 'pods "llama-a0-slice-0-0" is forbidden: exceeded quota: no-pods'
+    status, _ = reconcile(tj, Observed(now=T0, jobsets=(_jobset(expected_pods=1, pod_creation_refused=refusal),)))
+    assert _condition(status, "Pending") == ("True", "PodCreationRefused", refusal)
+
+
+# --- suspension is not a failure -----------------------------------------------------------------------
+
+
+def test_pods_that_exit_while_suspended_are_never_classified():
+    tj = training_job(suspend=True, status={"phase": "Suspended", "attempt": 0})
+    stopped = (_scheduled(phase="Failed", exit_code=143, finished_at=T0),)
+    js = _jobset(state="Suspended", pods=stopped, suspended_by_operator=True)
+    status, actions = reconcile(tj, Observed(now=T0, jobsets=(js,)))
+    assert status.phase == "Suspended" and status.restarts == 0 and status.last_failure is None
+    assert actions.delete == [] and actions.set_suspend is None
+
+
+def test_a_suspension_by_someone_else_is_respected_and_not_a_failure():
+    tj = _running()
+    stopped = (_scheduled(phase="Failed", exit_code=143, finished_at=T0),)
+    status, actions = reconcile(tj, Observed(now=T0 + HOUR, jobsets=(_jobset(state="Suspended", pods=stopped),)))
+    assert status.phase == "Suspended" and _condition(status, "Suspended")[1] == "SuspendedExternally"
+    assert actions.set_suspend is None and status.restarts == 0
+
+
+def test_after_a_resume_old_pods_are_history_and_the_clocks_start_again():
+    tj = _running(restart={"hangTimeoutSeconds": 60})
+    resumed = T0 + HOUR
+    pods = (
+        _scheduled("old", at=T0, phase="Failed", exit_code=143, finished_at=T0),
+        _scheduled("new", at=resumed),
+    )
+    js = _jobset(pods=pods, resumed_at=resumed, expected_pods=1)
+    status, actions = reconcile(tj, Observed(now=resumed + timedelta(seconds=120), jobsets=(js,), progress=_progress()))
+    # The only progress is from before the suspension: the attempt is starting up again, not hung.
+    assert status.restarts == 0 and actions.delete == []
+    assert status.stage == "StartingUp" and status.phase == "Pending"
+
+
+def test_while_the_jobset_controller_resumes_nothing_is_classified():
+    tj = training_job(status={"phase": "Suspended", "attempt": 0})
+    stopped = (_scheduled(phase="Failed", exit_code=143, finished_at=T0),)
+    status, _ = reconcile(tj, Observed(now=T0, jobsets=(_jobset(pods=stopped, resuming=True),)))
+    assert status.restarts == 0 and _condition(status, "Pending")[1] == "Resuming"
+
+
+# --- identity --------------------------------------------------------------------------------------------
+
+
+def test_a_jobset_of_an_earlier_incarnation_is_removed_not_adopted():
+    tj = training_job(status={})
+    orphan = _jobset(state="Completed", uid="old-uid")
+    status, actions = reconcile(tj, Observed(now=T0, jobsets=(orphan,), latest_committed_step=80))
+    assert status.phase == "Pending" and actions.create_attempt is None
+    assert actions.delete == ["llama-a0"] and "OrphanRemoved" in [e.reason for e in actions.events]
+    gone, actions = reconcile(tj, Observed(now=T0, jobsets=(), latest_committed_step=80, foreign_pods=2))
+    assert actions.create_attempt is None and _condition(gone, "Pending")[1] == "RemovingOrphans"
+    started, actions = reconcile(tj, Observed(now=T0, jobsets=(), latest_committed_step=80))
+    assert (actions.create_attempt, actions.resume_step) == (0, 80) and started.phase == "Pending"
+
+
+def test_a_progress_record_of_another_incarnation_is_ignored():
+    tj = training_job(status={"phase": "Pending", "attempt": 0})
+    stale = _progress(step=999, state="succeeded", uid="old-uid")
+    status, _ = reconcile(
+        tj, Observed(now=T0, jobsets=(_jobset(pods=(_scheduled(),), expected_pods=1),), progress=stale)
+    )
+    assert status.step is None and status.phase == "Pending" and status.stage == "StartingUp"
+
+
+# --- checkpoint integrity ---------------------------------------------------------------------------------
+
+
+def test_an_incompatible_checkpoint_fails_the_job_at_once_without_spending_the_budget():
+    tj = _running(restart={"maxRestarts": 5})
+    pods = (_scheduled(phase="Failed", exit_code=4, finished_at=T0),)
+    status, actions = reconcile(tj, Observed(now=T0, jobsets=(_jobset(pods=pods),), latest_committed_step=40))
+    assert status.phase == "Failed" and _condition(status, "Failed")[1] == "CheckpointIncompatible"
+    assert (status.restarts, status.counted_restarts) == (0, 0) and actions.create_attempt is None
+    assert status.last_failure.counted is False
+
+
+def test_the_step_actually_restored_is_recorded_with_an_event():
+    tj = training_job(status={"phase": "Restarting", "attempt": 1, "resumedFromStep": 60})
+    progress = _progress(step=45, attempt=1, restored_step=40, resumed_from_step=40,
+                         restore_failures=(RestoreFailure(60, "missing object"),))  # fmt: skip
+    pods = (_scheduled(),)
+    status, actions = reconcile(tj, Observed(now=T0, jobsets=(_jobset(attempt=1, pods=pods),), progress=progress))
+    assert status.resumed_from_step == 40
+    fallback = [e for e in actions.events if e.reason == "RestoreFallback"]
+    assert fallback and "step 60 (missing object)" in fallback[0].message and "restored step 40" in fallback[0].message
+
+
+# --- refused objects, bounded numbers ----------------------------------------------------------------------
+
+
+def test_a_refused_jobset_fails_only_when_the_refusal_is_permanent():
+    status = training_job(status={"phase": "Pending", "attempt": 0, "jobSetName": "llama-a0"}).status
+    invalid = with_creation_refused(status, "spec.x: Invalid value", permanent=True, now=T0)
+    assert invalid.phase == "Failed" and _condition(invalid, "Failed")[1] == "JobSetRefused"
+    assert "spec.x: Invalid value" in _condition(invalid, "Failed")[2]
+    quota = with_creation_refused(status, "exceeded quota", permanent=False, now=T0)
+    assert quota.phase == "Pending" and _condition(quota, "Pending")[1] == "JobSetRefused"
+    # The next reconcile tries again without announcing a new attempt.
+    tj = training_job(status=quota.model_dump(by_alias=True, exclude_none=True))
+    again, actions = reconcile(tj, Observed(now=T0))
+    assert actions.create_attempt == 0 and actions.events == [] and _condition(again, "Pending")[1] == "JobSetRefused"
+
+
+def test_backoff_never_overflows():
+    policy = RestartSpec(backoff_seconds=604800, max_backoff_seconds=604800, max_restarts=10000)
+    assert backoff(policy, 10000, counted=True) == timedelta(seconds=604800)
