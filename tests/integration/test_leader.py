@@ -6,6 +6,7 @@ watches only that namespace, so tests never see each other's operators.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -13,6 +14,7 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.request
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -40,9 +42,10 @@ class OperatorProcess:
 
     def __init__(self, namespace: str, log_path: Path, pod_name: str) -> None:
         self.log_path = log_path
+        self.liveness = f"http://127.0.0.1:{free_port()}/healthz"
         env = {**os.environ, "POD_NAME": pod_name, "PYTHONUNBUFFERED": "1"}
         argv = [
-            *(sys.executable, "-m", "tpujob_operator", "--liveness", f"http://127.0.0.1:{free_port()}/healthz"),
+            *(sys.executable, "-m", "tpujob_operator", "--liveness", self.liveness),
             *("--namespace", namespace, "--leader-election-namespace", namespace),
             *("--lease-duration", str(LEASE_DURATION), "--renew-deadline", str(RENEW_DEADLINE)),
             *("--retry-period", str(RETRY_PERIOD)),
@@ -59,6 +62,10 @@ class OperatorProcess:
 
     def leads(self) -> bool:
         return f"leading: {self.identity} holds Lease" in self.log()
+
+    def health(self) -> Any:
+        with urllib.request.urlopen(self.liveness, timeout=5) as response:
+            return json.load(response)
 
     def alive(self) -> bool:
         return self.process.poll() is None
@@ -122,6 +129,9 @@ def test_one_leads_and_the_other_takes_over_when_it_is_killed(kube, namespace, s
     time.sleep(2 * RETRY_PERIOD)  # several renewal rounds: the Lease stays put and only one runs kopf
     assert lease_holder(kube, namespace) == first.identity
     assert not follower.leads() and follower.alive()
+    # Both answer liveness probes: the follower from its own endpoint, the leader from kopf's.
+    assert follower.health() == {"leading": False, "identity": follower.identity}
+    assert "leading" not in first.health()
     cluster = Cluster(kube, namespace)
     cluster.apply(training_job_manifest(unique_name))
     eventually(lambda: jobsets_of(kube, namespace, unique_name), what="JobSet of the first job")
