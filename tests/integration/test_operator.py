@@ -59,6 +59,31 @@ class Cluster:
 
     def fail_slice(self, jobset: Any, slice_index: int, exit_code: int) -> None:
         """What kubelet + the Job and JobSet controllers would report when a worker of one slice dies."""
+        self.fail_pod(jobset, slice_index, exit_code)
+        meta = jobset["metadata"]
+        self.custom.patch_namespaced_custom_object_status(
+            JOBSET_GROUP,
+            JOBSET_VERSION,
+            self.namespace,
+            JOBSET_PLURAL,
+            meta["name"],
+            {
+                "status": {
+                    "conditions": [
+                        {
+                            "type": "Failed",
+                            "status": "True",
+                            "reason": "FailedJobs",
+                            "lastTransitionTime": _now(),
+                            "message": f"jobset failed: job {meta['name']}-slice-{slice_index} failed",
+                        }
+                    ]
+                },
+            },
+        )
+
+    def fail_pod(self, jobset: Any, slice_index: int, exit_code: int) -> None:
+        """What kubelet reports when the worker process of one slice exits with `exit_code`."""
         meta = jobset["metadata"]
         pod_name = f"{meta['name']}-slice-{slice_index}-0"
         template = jobset["spec"]["replicatedJobs"][0]["template"]["spec"]["template"]
@@ -88,26 +113,6 @@ class Cluster:
                         }
                     ],
                 }
-            },
-        )
-        self.custom.patch_namespaced_custom_object_status(
-            JOBSET_GROUP,
-            JOBSET_VERSION,
-            self.namespace,
-            JOBSET_PLURAL,
-            meta["name"],
-            {
-                "status": {
-                    "conditions": [
-                        {
-                            "type": "Failed",
-                            "status": "True",
-                            "reason": "FailedJobs",
-                            "lastTransitionTime": _now(),
-                            "message": f"jobset failed: job {meta['name']}-slice-{slice_index} failed",
-                        }
-                    ]
-                },
             },
         )
 
@@ -177,7 +182,7 @@ def test_slice_failure_restarts_from_the_latest_committed_step(operator, cluster
 def test_exhausted_budget_fails_the_job_with_a_condition(operator, cluster, unique_name):
     cluster.apply(training_job_manifest(unique_name, restart={"maxRestarts": 0}))
     first = eventually(lambda: cluster.jobset(f"{unique_name}-a0"), what="JobSet a0")
-    cluster.fail_slice(first, slice_index=0, exit_code=3)
+    cluster.fail_slice(first, slice_index=0, exit_code=1)
     status = eventually(lambda: (s := cluster.status(unique_name)).get("phase") == "Failed" and s, what="phase Failed")
     failed = next(c for c in status["conditions"] if c["type"] == "Failed")
     assert (failed["status"], failed["reason"]) == ("True", "RestartBudgetExhausted")

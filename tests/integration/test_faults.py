@@ -1,0 +1,180 @@
+"""Faults at the API seam, on a real kube-apiserver + kube-controller-manager with the operator
+in-process: status writes, refused objects, suspension, re-created jobs, and what the operator keeps.
+
+No JobSet controller or kubelet runs in this tier: what they would report (a worker pod's exit, a
+JobSet's conditions) is written through the API the way they write it.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import pytest
+from kubernetes import client
+from kubernetes.client.exceptions import ApiException
+from tpujob_operator import api, handlers
+from tpujob_operator.jobset import JOBSET_GROUP, JOBSET_PLURAL, JOBSET_VERSION, LABEL_UID
+from tpujob_operator.kube import Cluster as OperatorCluster
+from tpujob_operator.kube import Conflict
+
+from .conftest import eventually, training_job_manifest
+from .test_operator import Cluster, _now
+
+pytestmark = pytest.mark.integration
+
+
+@pytest.fixture
+def cluster(kube: client.ApiClient, namespace: str) -> Cluster:
+    return Cluster(kube, namespace)
+
+
+def _set_jobset_conditions(cluster: Cluster, name: str, conditions: list[dict[str, Any]]) -> None:
+    """What the JobSet controller writes (there is none in this tier)."""
+    cluster.custom.patch_namespaced_custom_object_status(
+        JOBSET_GROUP, JOBSET_VERSION, cluster.namespace, JOBSET_PLURAL, name, {"status": {"conditions": conditions}}
+    )
+
+
+def _condition(status: dict[str, Any], type_: str) -> dict[str, Any]:
+    return next((c for c in status.get("conditions") or [] if c["type"] == type_), {})
+
+
+def test_a_new_failure_leaves_nothing_of_the_previous_one_in_status(operator, cluster, unique_name):
+    cluster.apply(training_job_manifest(unique_name))
+    first = eventually(lambda: cluster.jobset(f"{unique_name}-a0"), what="JobSet a0")
+    cluster.fail_slice(first, slice_index=1, exit_code=1)
+    eventually(lambda: cluster.jobset(f"{unique_name}-a1"), what="JobSet a1")
+    assert cluster.status(unique_name)["lastFailure"]["slice"] == 1
+    # The second attempt fails with no pod to blame: the JobSet's condition alone.
+    condition = {
+        "type": "Failed",
+        "status": "True",
+        "reason": "FailedJobs",
+        "lastTransitionTime": _now(),
+        "message": "x",
+    }
+    _set_jobset_conditions(cluster, f"{unique_name}-a1", [condition])
+    status = eventually(
+        lambda: (s := cluster.status(unique_name)).get("attempt") == 2 and s, what="second restart recorded"
+    )
+    failure = status["lastFailure"]
+    assert failure["kind"] == "Unknown" and failure["reason"] == "FailedJobs"
+    assert "slice" not in failure and "lostSteps" not in failure and "recoverySeconds" not in failure
+
+
+def test_a_status_write_from_a_stale_read_is_refused(operator, cluster, unique_name):
+    cluster.apply(training_job_manifest(unique_name))
+    stale = eventually(lambda: (tj := cluster.training_job(unique_name)).get("status") and tj, what="status")
+    cluster.patch_spec(unique_name, {"suspend": True})  # anyone's write moves the resourceVersion
+    with pytest.raises(Conflict):
+        OperatorCluster().replace_status(stale, {**stale["status"], "attempt": 7})
+    assert cluster.status(unique_name)["attempt"] == 0
+
+
+def test_a_jobset_refused_by_a_quota_is_reported_and_created_once_allowed(operator, cluster, unique_name):
+    quota = client.V1ResourceQuota(
+        metadata=client.V1ObjectMeta(name="no-jobsets"),
+        spec=client.V1ResourceQuotaSpec(hard={f"count/{JOBSET_PLURAL}.{JOBSET_GROUP}": "0"}),
+    )
+    cluster.core.create_namespaced_resource_quota(cluster.namespace, quota)
+    cluster.apply(training_job_manifest(unique_name))
+    status = eventually(
+        lambda: (s := cluster.status(unique_name)) and _condition(s, "Pending").get("reason") == "JobSetRefused" and s,
+        what="Pending/JobSetRefused",
+    )
+    assert "quota" in _condition(status, "Pending")["message"]
+    assert cluster.jobsets() == []
+    assert "JobSetRefused" in eventually(lambda: cluster.events(unique_name), what="events")
+    cluster.core.delete_namespaced_resource_quota("no-jobsets", cluster.namespace)
+    eventually(lambda: cluster.jobset(f"{unique_name}-a0"), timeout=90, what="JobSet a0 once the quota is gone")
+    assert cluster.status(unique_name)["attempt"] == 0
+
+
+def test_a_worker_stopped_by_a_suspension_is_not_a_failure(operator, cluster, unique_name):
+    cluster.apply(training_job_manifest(unique_name))
+    first = eventually(lambda: cluster.jobset(f"{unique_name}-a0"), what="JobSet a0")
+    cluster.patch_spec(unique_name, {"suspend": True})
+    eventually(lambda: cluster.status(unique_name).get("phase") == "Suspended", what="phase Suspended")
+    suspended = {
+        "type": "Suspended",
+        "status": "True",
+        "reason": "SuspendJobs",
+        "lastTransitionTime": _now(),
+        "message": "x",
+    }
+    _set_jobset_conditions(cluster, first["metadata"]["name"], [suspended])
+    # The suspension's SIGTERM: the worker saves and exits 143, as the trainer does.
+    cluster.fail_pod(first, slice_index=0, exit_code=143)
+    time.sleep(2)
+    cluster.patch_spec(unique_name, {"suspend": False})
+    eventually(lambda: cluster.jobset(f"{unique_name}-a0")["spec"]["suspend"] is False, what="JobSet resumed")
+    time.sleep(1.1)  # the resume is later than the stopped pod's creation, at the API's 1 s resolution
+    resumed = {
+        "type": "Suspended",
+        "status": "False",
+        "reason": "ResumeJobs",
+        "lastTransitionTime": _now(),
+        "message": "x",
+    }
+    _set_jobset_conditions(cluster, first["metadata"]["name"], [resumed])
+    time.sleep(2 * 5)  # several polls
+    status = cluster.status(unique_name)
+    assert (status["restarts"], status["attempt"]) == (0, 0) and "lastFailure" not in status
+    assert status["stage"] in ("Scheduling", "StartingUp")
+
+
+def test_a_jobset_suspended_by_someone_else_stays_suspended(operator, cluster, unique_name):
+    cluster.apply(training_job_manifest(unique_name))
+    eventually(lambda: cluster.jobset(f"{unique_name}-a0"), what="JobSet a0")
+    cluster.custom.patch_namespaced_custom_object(
+        JOBSET_GROUP, JOBSET_VERSION, cluster.namespace, JOBSET_PLURAL, f"{unique_name}-a0", {"spec": {"suspend": True}}
+    )
+    status = eventually(
+        lambda: (s := cluster.status(unique_name)).get("phase") == "Suspended" and s, what="phase Suspended"
+    )
+    assert _condition(status, "Suspended")["reason"] == "SuspendedExternally"
+    time.sleep(2 * 5)
+    assert cluster.jobset(f"{unique_name}-a0")["spec"]["suspend"] is True  # the operator did not undo it
+
+
+def test_a_job_recreated_with_the_same_name_never_adopts_its_predecessor(operator, cluster, unique_name):
+    old = cluster.apply(training_job_manifest(unique_name))
+    eventually(lambda: cluster.jobset(f"{unique_name}-a0"), what="JobSet a0")
+    cluster.custom.delete_namespaced_custom_object(
+        api.GROUP, api.VERSION, cluster.namespace, api.PLURAL, unique_name,
+        body=client.V1DeleteOptions(propagation_policy="Orphan"),
+    )  # fmt: skip
+    eventually(lambda: _gone(cluster, unique_name), what="old TrainingJob gone")
+    orphan = cluster.jobset(f"{unique_name}-a0")
+    assert orphan is not None and orphan["metadata"]["labels"][LABEL_UID] == old["metadata"]["uid"]
+    new = cluster.apply(training_job_manifest(unique_name))
+    adopted = eventually(
+        lambda: (
+            (js := cluster.jobset(f"{unique_name}-a0"))
+            and js["metadata"]["labels"][LABEL_UID] == new["metadata"]["uid"]
+            and js
+        ),
+        what="a JobSet of the new incarnation",
+    )
+    assert adopted["metadata"]["ownerReferences"][0]["uid"] == new["metadata"]["uid"]
+    assert "OrphanRemoved" in eventually(lambda: cluster.events(unique_name), what="events")
+    assert cluster.status(unique_name)["attempt"] == 0
+
+
+def _gone(cluster: Cluster, name: str) -> bool:
+    try:
+        cluster.training_job(name)
+    except ApiException as error:
+        return error.status == 404
+    return False
+
+
+def test_nothing_is_remembered_of_a_job_once_it_is_deleted(operator, cluster, unique_name):
+    cluster.apply(training_job_manifest(unique_name, restart={"maxRestarts": 5, "backoffSeconds": 30}))
+    first = eventually(lambda: cluster.jobset(f"{unique_name}-a0"), what="JobSet a0")
+    cluster.fail_pod(first, slice_index=0, exit_code=1)
+    key = (cluster.namespace, unique_name)
+    eventually(lambda: handlers.RUNTIME.remembered(key) > 1, what="the failed pod remembered")
+    cluster.custom.delete_namespaced_custom_object(api.GROUP, api.VERSION, cluster.namespace, api.PLURAL, unique_name)
+    eventually(lambda: handlers.RUNTIME.remembered(key) == 0, what="memory of the job dropped")
