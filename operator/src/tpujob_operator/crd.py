@@ -90,6 +90,7 @@ def build_crd() -> dict[str, Any]:
     }
     columns = [
         ("Phase", "string", ".status.phase", "Lifecycle phase"),
+        ("Stage", "string", ".status.stage", "Which clock the job is on (Scheduling, StartingUp, Training, ...)"),
         ("Step", "integer", ".status.step", "Last step reported by the trainer"),
         ("Checkpoint", "integer", ".status.latestCheckpoint.step", "Latest committed checkpoint step"),
         ("Restarts", "integer", ".status.restarts", "Automatic restarts so far"),
