@@ -126,12 +126,6 @@ INVALID = [
         # The operator's own env is refused, not silently overridden.
         ("env sets TPUJOB_RUN_DIR", "spec.env", [{"name": "TPUJOB_RUN_DIR", "value": "x"}], "spec.env[0].name"),
         ("env sets TPUJOB_UID", "spec.env", [{"name": "X", "value": "1"}, {"name": "TPUJOB_UID"}], "spec.env[1].name"),
-        (
-            "env sets TPUJOB_STORAGE_WAIT_SECONDS",
-            "spec.env",
-            [{"name": "TPUJOB_STORAGE_WAIT_SECONDS"}],
-            "spec.env[0].name",
-        ),
         ("env sets a checkpoint knob", "spec.env", [{"name": "TPUJOB_CHECKPOINT_POLICY"}], "spec.env[0].name"),
         ("env sets a megascale var", "spec.env", [{"name": "MEGASCALE_NUM_SLICES", "value": "9"}], "spec.env[0].name"),
         ("env name not an identifier", "spec.env", [{"name": "1 BAD=x", "value": "1"}], "spec.env[0].name"),

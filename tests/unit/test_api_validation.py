@@ -208,7 +208,7 @@ def test_checkpoint_directory_with_a_dot_segment_is_refused(directory: str):
     _clean_directories_are_accepted()
 
 
-# Every variable jobset.trainer_env sets today, plus the two it sets from now on.
+# Every variable jobset.trainer_env sets.
 OPERATOR_SET = [
     "TPUJOB_NAME",
     "TPUJOB_NAMESPACE",
@@ -220,7 +220,6 @@ OPERATOR_SET = [
     "TPUJOB_HOSTS_PER_SLICE",
     "TPUJOB_SLICE_ID",
     "TPUJOB_COORDINATOR_ADDRESS",
-    "TPUJOB_STORAGE_WAIT_SECONDS",
     "MEGASCALE_COORDINATOR_ADDRESS",
     "MEGASCALE_NUM_SLICES",
     "MEGASCALE_SLICE_ID",
@@ -231,6 +230,7 @@ TRAINER_KNOBS = [
     "TPUJOB_MODEL",
     "TPUJOB_STEPS",
     "TPUJOB_LOG_LEVEL",
+    "TPUJOB_STORAGE_WAIT_SECONDS",  # how long a worker waits out unreachable storage: the user's to tune
     "TPUJOB_BATCH_SIZE",
     "TPUJOB_SEED",
     "EXTRA",

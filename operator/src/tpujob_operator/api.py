@@ -53,7 +53,6 @@ OPERATOR_ENV_NAMES: tuple[str, ...] = (
     "TPUJOB_HOSTS_PER_SLICE",
     "TPUJOB_SLICE_ID",
     "TPUJOB_COORDINATOR_ADDRESS",
-    "TPUJOB_STORAGE_WAIT_SECONDS",
 )
 OPERATOR_ENV_PREFIXES: tuple[str, ...] = ("TPUJOB_CHECKPOINT_", "MEGASCALE_")
 # Kubernetes' rule for container env names.
