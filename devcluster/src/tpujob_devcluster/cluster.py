@@ -272,6 +272,18 @@ class DevCluster:
         )
         self.plane.launch(runner, lambda: True, timeout)
 
+    def kill_gcs(self) -> None:
+        """Crash the GCS emulator (SIGKILL); restart_gcs() brings it back with the same objects."""
+        assert self.gcs is not None
+        self.gcs.kill()
+
+    def restart_gcs(self) -> None:
+        """The GCS emulator again, on the same port and data directory (every pod is already pointed
+        at that endpoint). Call from the thread that started the cluster: the server dies with it."""
+        assert self.gcs is not None
+        self.gcs.restart(die_with_parent=not self.detached)
+        self._write_state()
+
     def _write_state(self) -> None:
         pids = {c.name: c.process.pid for c in self.plane.components if c.process is not None}
         if self.gcs is not None:

@@ -149,9 +149,44 @@ class FakeGcsServer:
     def running(self) -> bool:
         return self._process.poll() is None
 
+    # -- faults: an outage of the server, not of the data --------------------------------------------
+    def kill(self) -> None:
+        """SIGKILL the server (a crash: no clean shutdown); its objects stay under root_dir and the
+        port stays this server's to restart() on."""
+        if self._process.poll() is None:
+            self._process.send_signal(signal.SIGCONT)  # a paused process dies on SIGKILL too, but reap it cleanly
+            self._process.kill()
+            self._process.wait()
+
+    def restart(self, *, die_with_parent: bool = True, timeout: float = 30.0) -> None:
+        """Start a new server process on the same port and data directory, so every client that was
+        pointed at `endpoint` reaches the same objects again. No-op while the server still runs.
+        The port can be briefly unavailable after a kill: retried until `timeout`."""
+        if self.running():
+            return
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                self._process = start_fake_gcs(self.root_dir, self.port, die_with_parent=die_with_parent)._process
+                return
+            except FakeGcsError:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.5)
+
+    def pause(self) -> None:
+        """SIGSTOP: the process keeps its socket, so connections are accepted by the kernel and
+        requests hang (a hung server, not a refused one) until resume()."""
+        self._process.send_signal(signal.SIGSTOP)
+
+    def resume(self) -> None:
+        """SIGCONT after pause()."""
+        self._process.send_signal(signal.SIGCONT)
+
     def stop(self) -> None:
         """Terminate the server (idempotent). The data under root_dir is left in place."""
         if self._process.poll() is None:
+            self._process.send_signal(signal.SIGCONT)  # a paused process would ignore SIGTERM until continued
             self._process.terminate()
             try:
                 self._process.wait(timeout=5)
