@@ -178,3 +178,13 @@ def test_a_new_attempt_starts_its_step_from_the_committed_step():
     tj = training_job(status={"phase": "Restarting", "attempt": 1, "step": 47, "loss": 2.0, "restarts": 1})
     status, _ = reconcile(tj, Observed(now=T0, latest_committed_step=40))
     assert (status.step, status.loss) == (40, None)
+
+
+def test_only_the_true_condition_carries_the_current_message():
+    tj = training_job(status={"phase": "Pending", "attempt": 0})
+    progress = _progress(step=3, attempt=0, updated_at=T0)
+    status, _ = reconcile(tj, Observed(now=T0, jobsets=(_active(),), progress=progress, latest_committed_step=1))
+    pending = next(c for c in status.conditions if c.type == "Pending")
+    running = next(c for c in status.conditions if c.type == "Running")
+    assert (running.status, running.message) == ("True", "training at step 3")
+    assert (pending.status, pending.reason, pending.message) == ("False", "Running", "the job is Running")

@@ -35,13 +35,14 @@ def set_condition(
 
 
 def with_phase(status: TrainingJobStatus, phase: Phase, reason: str, message: str, now: datetime) -> TrainingJobStatus:
-    """Move to `phase`: its condition becomes True with the reason, every other one False."""
+    """Move to `phase`: its condition becomes True with the reason, every other one False. A False
+    condition says only which phase replaced it: the current message belongs to the True one."""
     conditions = list(status.conditions)
     for type_ in CONDITION_TYPES:
         if type_ == phase:
             conditions = set_condition(conditions, type_, True, reason, message, now)
         elif any(c.type == type_ for c in conditions):
-            conditions = set_condition(conditions, type_, False, reason, message, now)
+            conditions = set_condition(conditions, type_, False, phase, f"the job is {phase}", now)
     return status.model_copy(update={"phase": phase, "conditions": conditions})
 
 
