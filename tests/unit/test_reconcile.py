@@ -181,7 +181,8 @@ def test_a_new_attempt_starts_its_step_from_the_committed_step():
 
 
 def test_only_the_true_condition_carries_the_current_message():
-    tj = training_job(status={"phase": "Pending", "attempt": 0})
+    pending_condition = {"type": "Pending", "status": "True", "reason": "JobSetCreated", "message": "starting"}
+    tj = training_job(status={"phase": "Pending", "attempt": 0, "conditions": [pending_condition]})
     progress = _progress(step=3, attempt=0, updated_at=T0)
     status, _ = reconcile(tj, Observed(now=T0, jobsets=(_active(),), progress=progress, latest_committed_step=1))
     pending = next(c for c in status.conditions if c.type == "Pending")
