@@ -106,7 +106,13 @@ class ControlPlane:
 
     workdir: Path
     bin_dir: Path
-    controllers: str = "*,-nodeipam,-cloud-node-lifecycle,-service,-route,-persistentvolume-binder,-attachdetach"
+    # The endpoint controllers are off: they refuse the pod runner's loopback pod IPs and flood
+    # `kubectl get events` with FailedToUpdateEndpoint warnings, while the pods' hosts files
+    # already stand in for the headless Service's DNS.
+    controllers: str = (
+        "*,-nodeipam,-cloud-node-lifecycle,-service,-route,-persistentvolume-binder,-attachdetach,"
+        "-endpoints-controller,-endpointslice-controller,-endpointslice-mirroring-controller"
+    )
     # Off for the integration tier, which creates pods in namespaces younger than their default
     # ServiceAccount; on for the devcluster, whose pods get real ServiceAccount tokens.
     service_account_admission: bool = False
