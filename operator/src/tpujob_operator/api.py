@@ -445,6 +445,48 @@ class CheckpointRef(ApiModel):
     time: str | None = Field(default=None, description="When the operator first saw it committed.")
 
 
+class FailureTimeline(ApiModel):
+    """When each stage of one recovery happened (RFC 3339); absent until it has."""
+
+    failed: str | None = Field(default=None, description="The first worker failed (its pod's finish time).")
+    detected: str | None = Field(default=None, description="The operator saw the failure and decided the restart.")
+    job_set_created: str | None = Field(default=None, description="The replacement JobSet was created.")
+    pods_scheduled: str | None = Field(default=None, description="Every pod of the replacement was scheduled.")
+    restored: str | None = Field(default=None, description="The replacement restored its checkpoint (trainer).")
+    first_new_step: str | None = Field(default=None, description="The replacement trained its first step.")
+
+
+class Badput(ApiModel):
+    """Seconds of the job's wall time that did not train, by cause (ml-goodput-measurement's categories)."""
+
+    scheduling_seconds: float = Field(default=0, description="Waiting for pods to be scheduled (capacity).")
+    startup_seconds: float = Field(
+        default=0, description="Pods placed to first step, restore excluded: image pull, process start, compilation."
+    )
+    restore_seconds: float = Field(default=0, description="Restoring checkpoints (the trainer's measurement).")
+    checkpoint_save_seconds: float = Field(default=0, description="Training loop blocked by checkpoint saves.")
+    wasted_progress_seconds: float = Field(default=0, description="Re-training the steps that failures lost.")
+    infrastructure_recovery_seconds: float = Field(
+        default=0,
+        description="A failure until its replacement's pods are all scheduled (detection, backoff, teardown).",
+    )
+    suspended_seconds: float = Field(default=0, description="Suspended (spec.suspend or a queue).")
+
+
+class Goodput(ApiModel):
+    """The job's time ledger, across attempts: wall time = productive + every badput cause."""
+
+    ratio: float | None = Field(default=None, description="Productive seconds / wall seconds.")
+    wall_seconds: float = 0
+    productive_seconds: float = 0
+    badput: Badput = Field(default_factory=Badput)
+    updated_at: str | None = Field(default=None, description="The ledger counts time up to here.")
+    # Bookkeeping for the current attempt: what of its trainer's cumulative numbers is counted already.
+    attempt: int = 0
+    attempt_save_seconds: float = 0
+    attempt_restore_seconds: float = 0
+
+
 class FailureRecord(ApiModel):
     time: str
     kind: FailureKind
@@ -458,6 +500,7 @@ class FailureRecord(ApiModel):
     recovery_seconds: float | None = Field(
         default=None, description="Failure -> first step trained by the replacement attempt, in seconds."
     )
+    timeline: FailureTimeline = Field(default_factory=FailureTimeline, description="The recovery, stage by stage.")
 
 
 class TrainingJobStatus(ApiModel):
@@ -481,6 +524,7 @@ class TrainingJobStatus(ApiModel):
     checkpoint_storage_error: str | None = Field(
         default=None, description="Why the checkpoint directory could not be read, while it cannot."
     )
+    goodput: Goodput | None = Field(default=None, description="Where the job's wall time went, across attempts.")
     stage: Stage | None = Field(default=None, description="Which clock the job is on now.")
     stage_start_time: str | None = Field(
         default=None, description="When the current stage's clock started (restarts after a suspension ends)."
