@@ -8,6 +8,7 @@ module's start_fake_gcs and swaps in the new process on restart.
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 from pathlib import Path
 
@@ -36,6 +37,18 @@ class RestartableGcs(FakeGcsServer):  # type: ignore[misc]  # mypy sees the devc
 
     def unhang(self) -> None:
         os.kill(self.pid, signal.SIGCONT)
+
+    def hide_bucket(self, name: str) -> None:
+        """Requests for the bucket's objects fail (mostly 404: the filesystem backend reads the
+        disk per request) until restore_bucket(): storage that answers, but with errors that
+        clients do not retry, as with revoked permissions."""
+        (self.root_dir / name).rename(self.root_dir / f".{name}.hidden")
+
+    def restore_bucket(self, name: str) -> None:
+        """Put the bucket back; what the server wrote meanwhile (it recreates a directory for an
+        object upload) is discarded, as if those writes had failed too."""
+        shutil.rmtree(self.root_dir / name, ignore_errors=True)
+        (self.root_dir / f".{name}.hidden").rename(self.root_dir / name)
 
     def stop(self) -> None:
         if self.running():

@@ -40,13 +40,17 @@ def test_storage_down_at_start_is_waited_out(faulty_job: Job, faulty_gcs: Restar
 
 @pytest.mark.slow
 @pytest.mark.timeout(600)
-def test_storage_outage_and_hang_mid_run_cost_nothing(
-    faulty_job: Job, faulty_gcs: RestartableGcs, trainer_env: dict[str, str], tmp_path: Path
-) -> None:
-    steps = 6000
+def test_storage_faults_mid_run_cost_nothing(faulty_job: Job, faulty_gcs: RestartableGcs, tmp_path: Path) -> None:
+    """Three faults while a continuously checkpointing run trains: the bucket answering 404 (saves
+    fail at once; today's trainer dies of it), the server down (15 s) and hung (15 s)."""
+    steps = 15000
     args = ["--steps", str(steps), *SHAPE, "--log-every", "50"]
-    reference = Job(faulty_gcs, faulty_job.base_env, tmp_path / "reference", f"ref-{faulty_job.name}")
+    # One device per process: on 2 CPU devices, XLA's in-process all-gather of the fsdp step was
+    # seen to abort ("Termination timeout for all gather", exit -6) in runs of thousands of steps
+    # with continuous saves, with or without storage faults; that hazard is not this test's subject.
+    faulty_job.base_env = {**faulty_job.base_env, "XLA_FLAGS": "--xla_force_host_platform_device_count=1"}
     (tmp_path / "reference").mkdir()
+    reference = Job(faulty_gcs, faulty_job.base_env, tmp_path / "reference", f"ref-{faulty_job.name}")
     try:
         assert reference.start(args).wait(300) == [0]
     finally:
@@ -54,22 +58,29 @@ def test_storage_outage_and_hang_mid_run_cost_nothing(
 
     attempt = faulty_job.start(args)
     attempt.wait_until(lambda: bool(faulty_job.committed_steps()) and attempt.last_step() >= 100, timeout=120)
-    # Down longer than gcsfs retries (~32 s): the save in flight and the next ones fail.
-    faulty_gcs.stop()
-    stopped_at = attempt.last_step()
-    _sleep_while_running(attempt, 45)
-    faulty_gcs.start()
+    faults = [f"bucket 404 from step {attempt.last_step()}"]
+    faulty_gcs.hide_bucket(BUCKET)
+    try:
+        _sleep_while_running(attempt, 5)
+    finally:
+        faulty_gcs.restore_bucket(BUCKET)
     if attempt.running():
-        # Hung, not down: requests stall until the server continues.
-        attempt.wait_until(lambda: attempt.last_step() > stopped_at + 50, timeout=120)
+        faults.append(f"server down from step {attempt.last_step()}")
+        faulty_gcs.stop()
+        try:
+            _sleep_while_running(attempt, 15)
+        finally:
+            faulty_gcs.start()
+    if attempt.running():
+        faults.append(f"server hung from step {attempt.last_step()}")
         faulty_gcs.hang()
         try:
             time.sleep(15)
         finally:
             faulty_gcs.unhang()
-    assert attempt.wait(400) == [0], attempt.output()
-    out = attempt.output()
-    assert "checkpoint: save" in out and "failed" in out
+    assert attempt.wait(300) == [0], attempt.output()
+    print("faults:", "; ".join(faults), f"; ended at step {steps}")
+    assert "checkpoint: save failed" in attempt.output()
 
     assert faulty_job.committed_steps()[-1] == steps
     record = faulty_job.progress()
