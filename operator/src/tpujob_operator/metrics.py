@@ -1,0 +1,291 @@
+"""Prometheus metrics (`/metrics`, the official prometheus_client), named like Kueue's and JobSet's.
+
+Everything is derived from what a reconcile wrote: `observe_reconcile` compares the status the
+reconcile read (`before`) with the one it wrote (`after`). A restart is therefore counted once, by
+the process that decided it: a decision made on a stale read is refused by the apiserver (409)
+before it is observed, and the next reader sees the restart already in `before`.
+
+Cardinality stays bounded by the live jobs:
+- per-job gauges (goodput, badput, checkpoint age) and `tpujob_jobs` are produced at scrape time
+  from the last status seen of each live job; `forget` (the job ended or was deleted) drops them;
+- per-job counters keep their final value for `COUNTER_RETENTION_SECONDS` after the job ended, so
+  that a scrape still sees its last increment, and are removed after that (at the next reconcile or
+  `forget`; an idle operator keeps them until it restarts). Counters start from zero when the
+  operator process restarts, as every Prometheus counter does.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+import time
+from collections import Counter as Tally
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
+from datetime import datetime
+from wsgiref.simple_server import WSGIServer
+
+from prometheus_client import REGISTRY, CollectorRegistry, Counter, Histogram, start_http_server
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.metrics_core import Metric
+from prometheus_client.registry import Collector
+
+from . import api
+from .status import parse_time
+
+log = logging.getLogger("tpujob.metrics")
+
+DEFAULT_PORT = 8081
+JOB_LABELS = ("namespace", "name")
+# Phases of a live job: a Succeeded or Failed job is forgotten.
+LIVE_PHASES: tuple[api.Phase, ...] = ("Pending", "Running", "Restarting", "Suspended")
+TERMINAL_PHASES: tuple[api.Phase, ...] = ("Succeeded", "Failed")
+# `cause` label values: the api.Badput field names without `_seconds` (scheduling, checkpoint_save, ...).
+BADPUT_CAUSES: dict[str, str] = {field: field.removesuffix("_seconds") for field in api.Badput.model_fields}
+COUNTER_RETENTION_SECONDS = 900.0
+
+# Failure (the failed pod's finish time, whole seconds) -> the reconcile that decided: seconds.
+DETECTION_BUCKETS = (0.25, 0.5, 1, 2, 3, 5, 10, 20, 30, 60, 120, 300, 600)
+# Failure -> first step trained by the replacement: restore and compilation dominate.
+RECOVERY_BUCKETS = (5, 10, 20, 30, 60, 120, 180, 300, 600, 900, 1800, 3600)
+RECONCILE_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+
+
+@dataclass(frozen=True)
+class _LiveJob:
+    """What the scrape-time gauges need of one live job's last status."""
+
+    phase: api.Phase | None
+    goodput: api.Goodput | None
+    checkpoint_time: datetime | None
+
+
+def _failure_identity(failure: api.FailureRecord) -> tuple[str, str, str]:
+    return failure.time, failure.kind, failure.reason
+
+
+def new_failure(before: api.TrainingJobStatus, after: api.TrainingJobStatus) -> api.FailureRecord | None:
+    """The failure this reconcile decided on (a restart, or the end of the job), if any."""
+    failure = after.last_failure
+    if failure is None:
+        return None
+    previous = before.last_failure
+    if after.restarts > before.restarts or previous is None:
+        return failure
+    return failure if _failure_identity(previous) != _failure_identity(failure) else None
+
+
+def detection_seconds(failure: api.FailureRecord, now: datetime) -> float | None:
+    """Failure (its timeline's `failed`, else its time) -> detection (timeline's `detected`, else now)."""
+    failed = parse_time(failure.timeline.failed) or parse_time(failure.time)
+    detected = parse_time(failure.timeline.detected) or now
+    if failed is None:
+        return None
+    return max(0.0, (detected - failed).total_seconds())
+
+
+def first_recovery(before: api.TrainingJobStatus, after: api.TrainingJobStatus) -> float | None:
+    """lastFailure.recoverySeconds in the reconcile that first set it, else None."""
+    failure = after.last_failure
+    if failure is None or failure.recovery_seconds is None:
+        return None
+    previous = before.last_failure
+    if previous is None or previous.recovery_seconds is None:
+        return failure.recovery_seconds
+    return None if _failure_identity(previous) == _failure_identity(failure) else failure.recovery_seconds
+
+
+class OperatorMetrics:
+    """The operator's metrics, registered on `registry` (a private CollectorRegistry in tests)."""
+
+    def __init__(
+        self,
+        registry: CollectorRegistry,
+        clock: Callable[[], float] = time.time,
+        counter_retention: float = COUNTER_RETENTION_SECONDS,
+    ) -> None:
+        self.registry = registry
+        self._clock = clock
+        self._counter_retention = counter_retention
+        self._lock = threading.Lock()
+        self._live: dict[tuple[str, str], _LiveJob] = {}
+        self._expiring: dict[tuple[str, str], float] = {}  # ended job -> when its counters go
+        self.restarts = Counter(
+            "tpujob_restarts_total",
+            "Restarts of TrainingJobs decided by this operator process, by failure kind and whether the restart "
+            "counted against spec.restart.maxRestarts.",
+            [*JOB_LABELS, "kind", "counted"],
+            registry=registry,
+        )
+        self.lost_steps = Counter(
+            "tpujob_lost_steps_total",
+            "Steps trained but not checkpointed, lost to failures decided by this operator process.",
+            JOB_LABELS,
+            registry=registry,
+        )
+        self.failure_detection = Histogram(
+            "tpujob_failure_detection_seconds",
+            "Failure (the failed worker's finish time) to the reconcile that decided on it, by failure kind.",
+            ["kind"],
+            buckets=DETECTION_BUCKETS,
+            registry=registry,
+        )
+        self.recovery = Histogram(
+            "tpujob_recovery_seconds",
+            "Failure to the first step trained by the replacement attempt (status.lastFailure.recoverySeconds), "
+            "by failure kind.",
+            ["kind"],
+            buckets=RECOVERY_BUCKETS,
+            registry=registry,
+        )
+        self.reconcile_duration = Histogram(
+            "tpujob_reconcile_duration_seconds",
+            "Duration of one reconcile of one TrainingJob (API reads, checkpoint storage reads, writes).",
+            buckets=RECONCILE_BUCKETS,
+            registry=registry,
+        )
+        self.reconcile_errors = Counter(
+            "tpujob_reconcile_errors_total",
+            "Reconciles that ended in an error (retried at the next event or poll).",
+            registry=registry,
+        )
+        registry.register(_LiveJobsCollector(self))
+
+    def observe_reconcile(
+        self, namespace: str, name: str, before: api.TrainingJobStatus, after: api.TrainingJobStatus, now: datetime
+    ) -> None:
+        """A reconcile read `before` and wrote `after` (its decision is stored): count what changed."""
+        key = (namespace, name)
+        failure = new_failure(before, after)
+        if after.restarts > before.restarts:
+            kind = failure.kind if failure is not None else "Unknown"
+            counted = failure.counted if failure is not None else after.counted_restarts > before.counted_restarts
+            self.restarts.labels(namespace, name, kind, str(counted).lower()).inc(after.restarts - before.restarts)
+        lost = self.lost_steps.labels(namespace, name)  # present (0) for every job seen, so increase() sees the first
+        if after.lost_steps > before.lost_steps:
+            lost.inc(after.lost_steps - before.lost_steps)
+        if failure is not None and (seconds := detection_seconds(failure, now)) is not None:
+            self.failure_detection.labels(failure.kind).observe(seconds)
+        recovery = first_recovery(before, after)
+        if recovery is not None and after.last_failure is not None:
+            self.recovery.labels(after.last_failure.kind).observe(recovery)
+        checkpoint = after.latest_checkpoint
+        with self._lock:
+            self._expiring.pop(key, None)
+            if after.phase in TERMINAL_PHASES:
+                self._end(key)
+            else:
+                self._live[key] = _LiveJob(
+                    phase=after.phase,
+                    goodput=after.goodput,
+                    checkpoint_time=parse_time(checkpoint.time) if checkpoint is not None else None,
+                )
+            self._purge()
+
+    @contextlib.contextmanager
+    def reconciling(self) -> Iterator[None]:
+        """Time one reconcile; count it as an error if it raises."""
+        started = time.perf_counter()
+        try:
+            yield
+        except Exception:
+            self.observe_error()
+            raise
+        finally:
+            self.reconcile_duration.observe(time.perf_counter() - started)
+
+    def observe_error(self) -> None:
+        """A reconcile failed (an exception the caller caught or re-raises)."""
+        self.reconcile_errors.inc()
+
+    def forget(self, namespace: str, name: str) -> None:
+        """The job ended or was deleted: its gauges go now, its counters after the retention time."""
+        with self._lock:
+            self._end((namespace, name))
+            self._purge()
+
+    def live_jobs(self) -> int:
+        """How many jobs the metrics hold gauges for (0 once every job ended or was deleted)."""
+        with self._lock:
+            return len(self._live)
+
+    def serve(self, port: int, addr: str = "0.0.0.0") -> WSGIServer:
+        """Serve /metrics on addr:port from a daemon thread (prometheus_client's own server)."""
+        server, _ = start_http_server(port, addr, registry=self.registry)
+        log.info("serving metrics on http://%s:%d/metrics", addr, server.server_port)
+        return server
+
+    def _end(self, key: tuple[str, str]) -> None:
+        self._live.pop(key, None)
+        self._expiring.setdefault(key, self._clock() + self._counter_retention)
+
+    def _purge(self) -> None:
+        now = self._clock()
+        for (namespace, name), due in list(self._expiring.items()):
+            if due <= now:
+                labels = {"namespace": namespace, "name": name}
+                self.restarts.remove_by_labels(labels)
+                self.lost_steps.remove_by_labels(labels)
+                del self._expiring[(namespace, name)]
+
+    def _snapshot(self) -> dict[tuple[str, str], _LiveJob]:
+        with self._lock:
+            return dict(self._live)
+
+    def gauges(self, jobs: dict[tuple[str, str], _LiveJob] | None = None) -> list[Metric]:
+        """The scrape-time gauges: per live job, and live jobs per phase."""
+        jobs = self._snapshot() if jobs is None else jobs
+        now = self._clock()
+        by_phase = GaugeMetricFamily(
+            "tpujob_jobs", "Live TrainingJobs by phase, as this operator process last saw them.", labels=["phase"]
+        )
+        tally = Tally(job.phase for job in jobs.values())
+        for phase in LIVE_PHASES:
+            by_phase.add_metric([phase], tally.get(phase, 0))
+        ratio = GaugeMetricFamily(
+            "tpujob_goodput_ratio",
+            "Productive seconds / wall seconds of a live TrainingJob, across attempts (status.goodput.ratio).",
+            labels=JOB_LABELS,
+        )
+        productive = GaugeMetricFamily(
+            "tpujob_productive_seconds",
+            "Seconds a live TrainingJob trained productively, across attempts (status.goodput.productiveSeconds).",
+            labels=JOB_LABELS,
+        )
+        badput = GaugeMetricFamily(
+            "tpujob_badput_seconds",
+            "Seconds of a live TrainingJob's wall time that did not train, by cause (status.goodput.badput).",
+            labels=[*JOB_LABELS, "cause"],
+        )
+        since = GaugeMetricFamily(
+            "tpujob_seconds_since_committed_checkpoint",
+            "Seconds since the operator first saw a live TrainingJob's latest committed checkpoint "
+            "(status.latestCheckpoint.time); absent before the first one.",
+            labels=JOB_LABELS,
+        )
+        for (namespace, name), job in sorted(jobs.items()):
+            if job.goodput is not None:
+                if job.goodput.ratio is not None:
+                    ratio.add_metric([namespace, name], job.goodput.ratio)
+                productive.add_metric([namespace, name], job.goodput.productive_seconds)
+                for field, cause in BADPUT_CAUSES.items():
+                    badput.add_metric([namespace, name, cause], getattr(job.goodput.badput, field))
+            if job.checkpoint_time is not None:
+                since.add_metric([namespace, name], max(0.0, now - job.checkpoint_time.timestamp()))
+        return [by_phase, ratio, productive, badput, since]
+
+
+class _LiveJobsCollector(Collector):
+    def __init__(self, metrics: OperatorMetrics) -> None:
+        self._metrics = metrics
+
+    def collect(self) -> Iterable[Metric]:
+        return self._metrics.gauges()
+
+    def describe(self) -> Iterable[Metric]:
+        return self._metrics.gauges({})
+
+
+# The operator's metrics, on the default registry (with the process and Python collectors).
+METRICS = OperatorMetrics(REGISTRY)
