@@ -126,6 +126,61 @@ def test_helm_install_creates_accepted_objects(control_plane, kube, namespace):
     assert binding.subjects[0].namespace == namespace
     lease_role = client.RbacAuthorizationV1Api(kube).read_namespaced_role("tpujob-leader-election", namespace)
     assert lease_role.rules[0].api_groups == ["coordination.k8s.io"]
+    metrics_service = client.CoreV1Api(kube).read_namespaced_service("tpujob-metrics", namespace)
+    assert [(p.name, p.port, p.target_port) for p in metrics_service.spec.ports] == [("metrics", 8081, "metrics")]
     # The Deployment controller (in kube-controller-manager) accepted it and made a ReplicaSet.
     eventually(lambda: client.AppsV1Api(kube).list_namespaced_replica_set(namespace).items, what="ReplicaSet")
     helm("uninstall", "tpujob", "--namespace", namespace, "--kubeconfig", str(control_plane.kubeconfig))
+
+
+def _operator_container(docs: list[dict[str, Any]]) -> dict[str, Any]:
+    [deployment] = [d for d in docs if d["kind"] == "Deployment"]
+    container: dict[str, Any] = deployment["spec"]["template"]["spec"]["containers"][0]
+    return container
+
+
+def test_metrics_service_reaches_the_operator_metrics_port():
+    docs = render()
+    [service] = [d for d in docs if d["kind"] == "Service"]
+    [deployment] = [d for d in docs if d["kind"] == "Deployment"]
+    container = _operator_container(docs)
+    assert service["metadata"]["name"] == "tpujob-metrics"
+    assert service["spec"]["ports"] == [{"name": "metrics", "port": 8081, "targetPort": "metrics", "protocol": "TCP"}]
+    assert service["spec"]["selector"] == deployment["spec"]["template"]["metadata"]["labels"]
+    assert {"name": "metrics", "containerPort": 8081} in container["ports"]
+    assert "--metrics-port=8081" in container["args"]
+    assert not [d for d in docs if d["kind"] == "ServiceMonitor"]  # off unless asked for
+    # Another port goes everywhere at once; the liveness port cannot be shared.
+    moved = render("metrics.port=9102")
+    [moved_service] = [d for d in moved if d["kind"] == "Service"]
+    assert moved_service["spec"]["ports"][0]["port"] == 9102
+    assert "--metrics-port=9102" in _operator_container(moved)["args"]
+    result = subprocess.run(
+        [str(tools_dir() / "helm"), "template", "tpujob", str(CHART), "--set", "metrics.port=8080"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode != 0 and "metrics.port must differ from livenessPort" in result.stderr
+
+
+def test_service_monitor_is_rendered_only_when_enabled():
+    docs = render("metrics.serviceMonitor.enabled=true", "metrics.serviceMonitor.labels.release=kube-prometheus-stack")
+    [monitor] = [d for d in docs if d["kind"] == "ServiceMonitor"]
+    [service] = [d for d in docs if d["kind"] == "Service"]
+    assert monitor["apiVersion"] == "monitoring.coreos.com/v1"
+    assert monitor["metadata"]["labels"]["release"] == "kube-prometheus-stack"
+    assert monitor["spec"]["namespaceSelector"] == {"matchNames": ["default"]}
+    assert monitor["spec"]["selector"]["matchLabels"].items() <= service["metadata"]["labels"].items()
+    [endpoint] = monitor["spec"]["endpoints"]
+    assert (endpoint["port"], endpoint["path"], endpoint["interval"]) == ("metrics", "/metrics", "30s")
+    assert endpoint["honorLabels"] is True  # the series' namespace/name are the TrainingJob's
+    assert "scrapeTimeout" not in endpoint
+
+
+def test_metrics_disabled_renders_no_service_port_or_monitor():
+    docs = render("metrics.enabled=false", "metrics.serviceMonitor.enabled=true")
+    assert not [d for d in docs if d["kind"] in ("Service", "ServiceMonitor")]
+    container = _operator_container(docs)
+    assert "--metrics-port=0" in container["args"]
+    assert [p["name"] for p in container["ports"]] == ["health"]
