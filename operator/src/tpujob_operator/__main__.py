@@ -15,6 +15,7 @@ import kopf
 
 from . import handlers, leader  # noqa: F401  (importing handlers registers them)
 from .kube import load_config
+from .metrics import DEFAULT_PORT, METRICS
 
 log = logging.getLogger("tpujob")
 
@@ -24,6 +25,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--namespace", action="append", help="watch only these namespaces (default: all)")
     parser.add_argument("--liveness", default="http://0.0.0.0:8080/healthz", help="liveness endpoint URL")
     parser.add_argument("--verbose", action="store_true")
+    parser.add_argument(
+        "--metrics-port", type=int, default=DEFAULT_PORT, help="Prometheus /metrics port, served while leading (0: off)"
+    )
     election = parser.add_argument_group("leader election (one active operator per Lease)")
     election.add_argument("--leader-elect", action=argparse.BooleanOptionalAction, default=True)
     election.add_argument("--leader-election-namespace", help="Lease namespace (default: POD_NAMESPACE)")
@@ -56,6 +60,11 @@ async def run(args: argparse.Namespace) -> None:
         log.info("campaigning as %s for Lease %s/%s", settings.identity, settings.namespace, settings.lease_name)
         elector.start()
         await leader.wait_until_leading(elector, args.liveness)
+    if args.metrics_port:  # only the leader reconciles, so only it has metrics to serve
+        try:
+            METRICS.serve(args.metrics_port)
+        except OSError as error:  # metrics are not worth a crash loop that would stop reconciling
+            log.error("cannot serve metrics on port %d: %s", args.metrics_port, error)
     await kopf.operator(
         clusterwide=not args.namespace,
         namespaces=args.namespace or [],
