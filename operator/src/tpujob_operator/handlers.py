@@ -23,6 +23,7 @@ from . import api, checkpoints
 from .facts import Actions, Observed
 from .jobset import LABEL_ATTEMPT, LABEL_NAME, build_jobset
 from .kube import Cluster, Conflict, expected_pods, incarnation_uid, jobset_facts, load_config
+from .metrics import METRICS
 from .reconcile import POLL_SECONDS, TERMINAL_PHASES, reconcile, with_creation_refused
 from .status import with_phase
 
@@ -63,6 +64,7 @@ class Runtime:
         self.watched.discard(key)
         self.ended_pods.pop(key, None)
         self.locks.pop(key, None)
+        METRICS.forget(*key)
 
     def remembered(self, key: JobKey) -> int:
         """How many things the runtime holds for a job (0 once it ended or was deleted)."""
@@ -165,6 +167,7 @@ def _apply(tj: api.TrainingJob, body: dict[str, Any], status: api.TrainingJobSta
     # knows the attempt it is on. Unchanged status is not written, so idle jobs cost only reads.
     if _dump(status) != (body.get("status") or {}):
         body = kube.replace_status(body, _dump(status))
+    METRICS.observe_reconcile(tj.namespace, tj.name, tj.status, status, datetime.now(UTC))  # the decision is stored
     for name in actions.delete:
         kube.delete_jobset(tj.namespace, name)
     if actions.create_attempt is not None:
@@ -240,7 +243,8 @@ def reconcile_sync(namespace: str, name: str) -> float | None:
 
 async def reconcile_job(namespace: str, name: str) -> float | None:
     async with RUNTIME.locks[(namespace, name)]:
-        return await asyncio.to_thread(reconcile_sync, namespace, name)
+        with METRICS.reconciling():
+            return await asyncio.to_thread(reconcile_sync, namespace, name)
 
 
 @kopf.on.event(api.GROUP, api.VERSION, api.PLURAL)
