@@ -7,8 +7,9 @@ ENV PYTHONDONTWRITEBYTECODE=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1
 
 WORKDIR /app
+COPY contract/ /app/contract/
 COPY operator/ /app/operator/
-RUN pip install --no-cache-dir /app/operator \
+RUN pip install --no-cache-dir /app/contract /app/operator \
     && useradd --uid 10001 --no-create-home --shell /usr/sbin/nologin tpujob
 
 USER 10001

@@ -7,7 +7,7 @@ export PIP_CACHE_DIR ?= $(TPUJOB_CACHE)/pip
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
-DEPS_STAMP := $(VENV)/.deps-$(shell cat requirements-dev.txt operator/pyproject.toml trainer_image/pyproject.toml devcluster/pyproject.toml | sha1sum | cut -c1-12)
+DEPS_STAMP := $(VENV)/.deps-$(shell cat requirements-dev.txt contract/pyproject.toml operator/pyproject.toml trainer_image/pyproject.toml devcluster/pyproject.toml | sha1sum | cut -c1-12)
 PYTEST_ARGS ?=
 
 .PHONY: setup venv binaries tools crds lint test test-unit test-integration test-trainer up down demo bench bench-recovery clean
@@ -17,7 +17,7 @@ setup: venv binaries tools
 venv: $(DEPS_STAMP)
 $(DEPS_STAMP):
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q -r requirements-dev.txt -e operator -e trainer_image -e devcluster
+	$(PY) -m pip install -q -r requirements-dev.txt -e contract -e operator -e trainer_image -e devcluster
 	rm -f $(VENV)/.deps-* && touch $@
 
 binaries:

@@ -28,6 +28,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from tpujob_contract import LATEST
 from tpujob_devcluster.fakegcs import start_fake_gcs
 
 BUCKET = "bench"
@@ -65,7 +66,7 @@ def _run_policy(args: argparse.Namespace, name: str, root: Path) -> dict[str, An
             policy="interval" if name == "fixed_interval" else "continuous",
             min_interval_seconds=args.min_interval if name == "continuous_min_interval" else 0.0,
             interval_steps=args.interval, async_save=True, keep_latest=100_000, keep_every_steps=0,
-            save_on_preemption=False, resume_step=-1,
+            save_on_preemption=False, resume=LATEST,
         )  # fmt: skip
         mngr = CheckpointManager(f"gs://{BUCKET}/{name}/checkpoints", manager_options(ckpt), PreemptionNotice(False))
     state = trainer.init()

@@ -20,6 +20,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 import pytest
 from orbax.checkpoint import checkpoint_managers as cm
+from tpujob_contract import FRESH, LATEST, Resume
 from tpujob_trainer.checkpointing import (
     CheckpointManager,
     PreemptionNotice,
@@ -32,7 +33,7 @@ from tpujob_trainer.config import CheckpointConfig, ConfigError
 
 BASE = CheckpointConfig(
     policy="continuous", min_interval_seconds=0.0, interval_steps=5, async_save=True,
-    keep_latest=1000, keep_every_steps=0, save_on_preemption=True, resume_step=-1,
+    keep_latest=1000, keep_every_steps=0, save_on_preemption=True, resume=LATEST,
 )  # fmt: skip
 
 
@@ -119,12 +120,18 @@ def test_sigterm_sets_the_single_process_preemption_flag() -> None:
 
 @pytest.mark.parametrize(
     ("committed", "resume", "expected"),
-    [([], -1, None), ([3, 9, 6], -1, 9), ([3, 9], 3, 3), ([3, 9], 9, 9)],
+    [
+        ([], LATEST, None),
+        ([3, 9, 6], LATEST, 9),
+        ([3, 9], Resume.at(3), 3),
+        ([3, 9], Resume.at(9), 9),
+        ([3, 9], FRESH, None),
+    ],
 )
-def test_choose_restore_step(committed: list[int], resume: int, expected: int | None) -> None:
+def test_choose_restore_step(committed: list[int], resume: Resume, expected: int | None) -> None:
     assert choose_restore_step(committed, resume) == expected
 
 
 def test_choose_restore_step_refuses_an_uncommitted_pin() -> None:
     with pytest.raises(ConfigError, match="TPUJOB_RESUME_STEP=5 is not a committed checkpoint"):
-        choose_restore_step([3, 9], 5)
+        choose_restore_step([3, 9], Resume.at(5))

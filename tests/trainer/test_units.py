@@ -8,8 +8,10 @@ from pathlib import Path
 import jax
 import numpy as np
 import pytest
+import tpujob_contract as contract
 from etils import epath
 from jax.sharding import PartitionSpec
+from tpujob_contract import LATEST, Resume
 from tpujob_trainer import checkpointing, progress
 from tpujob_trainer.checkpointing import CheckpointIncompatible, StorageError
 from tpujob_trainer.config import MODELS, ConfigError, parse_config, topology_from_env
@@ -49,7 +51,12 @@ def test_checkpoint_env_contract() -> None:
         1.5,
         False,
     )
-    assert (ckpt.keep_latest, ckpt.keep_every_steps, ckpt.save_on_preemption, ckpt.resume_step) == (4, 1000, False, 300)
+    assert (ckpt.keep_latest, ckpt.keep_every_steps, ckpt.save_on_preemption, ckpt.resume) == (
+        4,
+        1000,
+        False,
+        Resume.at(300),
+    )
 
 
 @pytest.mark.parametrize(
@@ -149,20 +156,21 @@ def test_train_step_learns_and_is_deterministic() -> None:
 
 
 def test_progress_record_and_line() -> None:
-    record = progress.Progress(
+    record = contract.ProgressRecord(
         step=12, loss=1.5, steps_per_second=3.0, last_committed_step=10, attempt=2,
-        resumed_from_step=8, updated_at=progress.rfc3339_now(), state="running",
+        resumed_from_step=8, updated_at=contract.now_rfc3339(), state="running",
     )  # fmt: skip
-    assert set(json.loads(progress.to_json(record))) == {
+    assert set(json.loads(contract.to_json(record))) == {
         "step", "loss", "steps_per_second", "last_committed_step", "attempt", "resumed_from_step", "updated_at",
-        "state", "uid", "restored_step", "restore_failures", "save_failures",
+        "state", "uid", "restored_step", "restore_failures", "save_failures", "process_started_at",
+        "storage_ready_at", "restore_started_at", "restore_finished_at", "first_step_at", "save_blocking_seconds",
     }  # fmt: skip
-    failed = progress.Progress(
+    failed = contract.ProgressRecord(
         step=0, loss=None, steps_per_second=None, last_committed_step=None, attempt=1, resumed_from_step=None,
-        updated_at=progress.rfc3339_now(), state="incompatible", uid="0b5e-uid",
-        restore_failures=(progress.RestoreFailure(12, progress.short_error(ValueError("x" * 500))),), save_failures=2,
+        updated_at=contract.now_rfc3339(), state="incompatible", uid="0b5e-uid",
+        restore_failures=(contract.RestoreFailure(12, progress.short_error(ValueError("x" * 500))),), save_failures=2,
     )  # fmt: skip
-    record_json = json.loads(progress.to_json(failed))
+    record_json = json.loads(contract.to_json(failed))
     assert (record_json["uid"], record_json["state"], record_json["save_failures"]) == ("0b5e-uid", "incompatible", 2)
     assert record_json["restore_failures"] == [{"step": 12, "error": "ValueError: " + "x" * 185 + "..."}]
     assert progress.progress_line(12, 100, 1.5, 3.0, None) == "step 12/100 loss 1.5000 steps/s 3.00 last_committed none"
@@ -172,9 +180,9 @@ def test_progress_writer_overwrites_atomically_and_checks_commit(tmp_path: Path)
     writer = progress.ProgressWriter(str(tmp_path), committed=lambda step: step == 10)
     base = dict(loss=1.0, steps_per_second=1.0, last_committed_step=None, attempt=0, resumed_from_step=None)
     writer.saved(10)
-    writer.publish(progress.Progress(step=11, updated_at=progress.rfc3339_now(), state="running", **base))  # type: ignore[arg-type]
+    writer.publish(contract.ProgressRecord(step=11, updated_at=contract.now_rfc3339(), state="running", **base))  # type: ignore[arg-type]
     writer.saved(12)  # not committed: must not be reported
-    writer.close(progress.Progress(step=12, updated_at=progress.rfc3339_now(), state="succeeded", **base))  # type: ignore[arg-type]
+    writer.close(contract.ProgressRecord(step=12, updated_at=contract.now_rfc3339(), state="succeeded", **base))  # type: ignore[arg-type]
     record = json.loads((tmp_path / "progress.json").read_text())
     assert (record["step"], record["state"], record["last_committed_step"]) == (12, "succeeded", 10)
     assert [p.name for p in tmp_path.iterdir()] == ["progress.json"]  # no temp file left behind
@@ -208,9 +216,9 @@ def test_storage_wait_backs_off_then_gives_up(tmp_path: Path) -> None:
 
 
 def test_restore_falls_back_to_older_steps_only_when_storage_answers() -> None:
-    assert checkpointing.restore_candidates([3, 9, 6], -1) == [9, 6, 3]
-    assert checkpointing.restore_candidates([3, 9, 6], 6) == [6, 3]
-    assert checkpointing.restore_candidates([], -1) == []
+    assert checkpointing.restore_candidates([3, 9, 6], LATEST) == [9, 6, 3]
+    assert checkpointing.restore_candidates([3, 9, 6], Resume.at(6)) == [6, 3]
+    assert checkpointing.restore_candidates([], LATEST) == []
     tried: list[int] = []
     outage = [True]  # the first try of step 9 meets a storage outage; the retry finds it damaged
 
@@ -229,8 +237,8 @@ def test_restore_falls_back_to_older_steps_only_when_storage_answers() -> None:
     state, step, failures = checkpointing.restore_with_fallback(restore, [9, 6, 3], storage_ok, wait)
     assert (state, step, tried) == ("state 3", 3, [9, 9, 6, 3])
     assert failures == [
-        progress.RestoreFailure(9, "OSError: cannot read step 9"),
-        progress.RestoreFailure(6, "OSError: cannot read step 6"),
+        contract.RestoreFailure(9, "OSError: cannot read step 9"),
+        contract.RestoreFailure(6, "OSError: cannot read step 6"),
     ]
     with pytest.raises(CheckpointIncompatible) as err:
         checkpointing.restore_with_fallback(restore, [9, 6], lambda: True, wait)

@@ -88,7 +88,7 @@ def test_env_carries_the_trainer_contract():
 
 
 def test_no_resume_step_means_latest_committed():
-    assert _env(build_jobset(training_job(), attempt=0, resume_step=None))["TPUJOB_RESUME_STEP"] == "-1"
+    assert _env(build_jobset(training_job(), attempt=0, resume_step=None))["TPUJOB_RESUME_STEP"] == "latest"
 
 
 def test_user_env_comes_before_the_contract_and_cannot_name_its_keys():

@@ -10,6 +10,7 @@ from __future__ import annotations
 import re
 from typing import Annotated, Any, Literal
 
+import tpujob_contract as contract
 from pydantic import BaseModel, ConfigDict, Field, JsonValue, ValidationInfo, field_validator, model_validator
 from pydantic.alias_generators import to_camel
 
@@ -39,22 +40,13 @@ MAX_RESOURCES = 32
 MAX_QUANTITY_LENGTH = 64
 TPU_RESOURCE_NAME = "google.com/tpu"  # set by the operator from the slice shape (jobset.TPU_RESOURCE)
 
-# Environment variables the operator sets in every worker (jobset.trainer_env): the
-# operator <-> trainer contract. spec.env may not name them; a test builds a JobSet and checks
-# that every variable the operator adds is covered here, so the two cannot drift.
-OPERATOR_ENV_NAMES: tuple[str, ...] = (
-    "TPUJOB_NAME",
-    "TPUJOB_NAMESPACE",
-    "TPUJOB_UID",
-    "TPUJOB_ATTEMPT",
-    "TPUJOB_RESUME_STEP",
-    "TPUJOB_RUN_DIR",
-    "TPUJOB_NUM_SLICES",
-    "TPUJOB_HOSTS_PER_SLICE",
-    "TPUJOB_SLICE_ID",
-    "TPUJOB_COORDINATOR_ADDRESS",
-)
+# Environment variables the operator sets in every worker (jobset.trainer_env): the contract's
+# names, outside the reserved prefixes. spec.env may not name them; a test builds a JobSet and
+# checks that every variable the operator adds is covered here, so the two cannot drift.
 OPERATOR_ENV_PREFIXES: tuple[str, ...] = ("TPUJOB_CHECKPOINT_", "MEGASCALE_")
+OPERATOR_ENV_NAMES: tuple[str, ...] = tuple(
+    n for n in contract.Env.names() if not n.startswith(("TPUJOB_CHECKPOINT_", "MEGASCALE_"))
+)
 # Kubernetes' rule for container env names.
 ENV_NAME_PATTERN = r"^[-._a-zA-Z][-._a-zA-Z0-9]*$"
 
@@ -553,4 +545,4 @@ class TrainingJob(ApiModel):
     @property
     def run_dir(self) -> str:
         """gs://bucket/prefix/<namespace>/<name>: this job's own subtree; nothing else is ever touched."""
-        return f"{self.spec.checkpoint.directory.rstrip('/')}/{self.namespace}/{self.name}"
+        return contract.run_dir(self.spec.checkpoint.directory, self.namespace, self.name)

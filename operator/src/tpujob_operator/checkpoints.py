@@ -6,12 +6,10 @@ mistakes cannot touch another job's checkpoints.
 
 from __future__ import annotations
 
-import json
 import os
-import re
-from datetime import datetime
 
 import requests
+import tpujob_contract as contract
 from google.api_core import exceptions as gcs_errors
 from google.api_core.retry import Retry
 from google.auth.credentials import AnonymousCredentials
@@ -19,11 +17,9 @@ from google.cloud import storage
 
 from .facts import Progress, RestoreFailure
 
-# Orbax on GCS has no atomic rename: it writes the step directory in place and marks it committed
-# by writing this file last. A step directory without it is partial (a save cut short) and is skipped.
-COMMIT_MARKER = "commit_success.txt"
-PROGRESS_FILE = "progress.json"
-_STEP_DIR = re.compile(r"^(\d+)/$")
+# A step directory without the commit marker is partial (a save cut short) and is skipped.
+COMMIT_MARKER = contract.COMMIT_MARKER
+PROGRESS_FILE = contract.PROGRESS_FILE
 # A reconcile must not block for minutes on an unreachable bucket: short per-call timeout and a
 # bounded retry; failures become StorageError, reported in status, and the next poll tries again.
 _TIMEOUT_SECONDS = 10
@@ -52,10 +48,10 @@ def make_client() -> storage.Client:
 
 
 def step_candidates(checkpoints_prefix: str, prefixes: list[str]) -> list[int]:
-    """Step numbers of the directories directly under checkpoints/, newest first. Orbax's temporary
-    directories (<step>.orbax-checkpoint-tmp-...) are not digits-only and drop out here."""
+    """Step numbers of the directories directly under checkpoints/, newest first."""
     relative = (p[len(checkpoints_prefix) :] for p in prefixes if p.startswith(checkpoints_prefix))
-    return sorted((int(m.group(1)) for m in map(_STEP_DIR.match, relative) if m), reverse=True)
+    steps = (contract.step_of(r) for r in relative if r.count("/") == 1 and r.endswith("/"))
+    return sorted((s for s in steps if s is not None), reverse=True)
 
 
 def latest_committed_step(client: storage.Client, run_dir: str) -> int | None:
@@ -75,22 +71,28 @@ def latest_committed_step(client: storage.Client, run_dir: str) -> int | None:
 
 
 def parse_progress(raw: bytes) -> Progress:
-    record = json.loads(raw)
+    """The trainer's record (contract.from_json), with times as datetimes for the reconciler."""
+    record = contract.from_json(raw)
+    updated_at = contract.parse_time(record.updated_at)
+    assert updated_at is not None  # from_json requires it
     return Progress(
-        step=int(record["step"]),
-        attempt=int(record.get("attempt", 0)),
-        updated_at=datetime.fromisoformat(str(record["updated_at"]).replace("Z", "+00:00")),
-        loss=None if record.get("loss") is None else float(record["loss"]),
-        steps_per_second=record.get("steps_per_second"),
-        last_committed_step=record.get("last_committed_step"),
-        resumed_from_step=record.get("resumed_from_step"),
-        state=str(record.get("state", "running")),
-        uid=record.get("uid") or None,
-        restored_step=record.get("restored_step"),
-        restore_failures=tuple(
-            RestoreFailure(step=int(f["step"]), error=str(f.get("error", ""))[:200])
-            for f in record.get("restore_failures") or []
-        ),
+        step=record.step,
+        attempt=record.attempt,
+        updated_at=updated_at,
+        loss=record.loss,
+        steps_per_second=record.steps_per_second,
+        last_committed_step=record.last_committed_step,
+        resumed_from_step=record.resumed_from_step,
+        state=record.state,
+        uid=record.uid or None,
+        restored_step=record.restored_step,
+        restore_failures=tuple(RestoreFailure(f.step, f.error) for f in record.restore_failures),
+        process_started_at=contract.parse_time(record.process_started_at),
+        storage_ready_at=contract.parse_time(record.storage_ready_at),
+        restore_started_at=contract.parse_time(record.restore_started_at),
+        restore_finished_at=contract.parse_time(record.restore_finished_at),
+        first_step_at=contract.parse_time(record.first_step_at),
+        save_blocking_seconds=record.save_blocking_seconds,
     )
 
 

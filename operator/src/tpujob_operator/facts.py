@@ -63,6 +63,14 @@ class Progress:
     uid: str | None = None  # the TrainingJob incarnation that wrote it; a record of another one is ignored
     restored_step: int | None = None
     restore_failures: tuple[RestoreFailure, ...] = ()
+    # When this attempt's process started, storage answered, the restore ran and the first step ended;
+    # and how long saves blocked the training loop (cumulative): the goodput ledger's trainer half.
+    process_started_at: datetime | None = None
+    storage_ready_at: datetime | None = None
+    restore_started_at: datetime | None = None
+    restore_finished_at: datetime | None = None
+    first_step_at: datetime | None = None
+    save_blocking_seconds: float = 0.0
     loss: float | None = None
     steps_per_second: float | None = None
     last_committed_step: int | None = None

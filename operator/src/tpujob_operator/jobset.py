@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import tpujob_contract as contract
+
 from .api import GROUP, KIND, VERSION, TrainingJob
 from .tpu import slice_shape
 
@@ -63,28 +65,30 @@ def trainer_env(tj: TrainingJob, attempt: int, resume_step: int | None, js_name:
     shape = slice_shape(tj.spec.tpu.accelerator, tj.spec.tpu.topology)
     ckpt = tj.spec.checkpoint
     coordinator = coordinator_host(js_name)
+    env = contract.Env
+    resume = contract.LATEST if resume_step is None else contract.Resume.at(resume_step)
     return [
         *[e.model_dump(by_alias=True, exclude_none=True) for e in tj.spec.env or []],
-        _env("TPUJOB_NAME", tj.name),
-        _env("TPUJOB_NAMESPACE", tj.namespace),
-        _env("TPUJOB_UID", tj.metadata["uid"]),
-        _env("TPUJOB_ATTEMPT", attempt),
-        _env("TPUJOB_RESUME_STEP", -1 if resume_step is None else resume_step),
-        _env("TPUJOB_RUN_DIR", tj.run_dir),
-        _env("TPUJOB_NUM_SLICES", tj.spec.tpu.slices),
-        _env("TPUJOB_HOSTS_PER_SLICE", shape.hosts),
-        _slice_index_env("TPUJOB_SLICE_ID"),
-        _env("TPUJOB_COORDINATOR_ADDRESS", f"{coordinator}:{COORDINATOR_PORT}"),
-        _env("MEGASCALE_COORDINATOR_ADDRESS", coordinator),
-        _env("MEGASCALE_NUM_SLICES", tj.spec.tpu.slices),
-        _slice_index_env("MEGASCALE_SLICE_ID"),
-        _env("TPUJOB_CHECKPOINT_POLICY", ckpt.policy),
-        _env("TPUJOB_CHECKPOINT_MIN_INTERVAL_SECONDS", ckpt.min_interval_seconds),
-        _env("TPUJOB_CHECKPOINT_INTERVAL_STEPS", ckpt.interval_steps or 0),
-        _env("TPUJOB_CHECKPOINT_ASYNC", ckpt.async_),
-        _env("TPUJOB_CHECKPOINT_KEEP_LATEST", ckpt.keep.latest),
-        _env("TPUJOB_CHECKPOINT_KEEP_EVERY_STEPS", ckpt.keep.every_steps or 0),
-        _env("TPUJOB_CHECKPOINT_SAVE_ON_PREEMPTION", ckpt.save_on_preemption),
+        _env(env.NAME, tj.name),
+        _env(env.NAMESPACE, tj.namespace),
+        _env(env.UID, tj.metadata["uid"]),
+        _env(env.ATTEMPT, attempt),
+        _env(env.RESUME, resume.encode()),
+        _env(env.RUN_DIR, tj.run_dir),
+        _env(env.NUM_SLICES, tj.spec.tpu.slices),
+        _env(env.HOSTS_PER_SLICE, shape.hosts),
+        _slice_index_env(env.SLICE_ID),
+        _env(env.COORDINATOR_ADDRESS, f"{coordinator}:{COORDINATOR_PORT}"),
+        _env(env.MEGASCALE_COORDINATOR_ADDRESS, coordinator),
+        _env(env.MEGASCALE_NUM_SLICES, tj.spec.tpu.slices),
+        _slice_index_env(env.MEGASCALE_SLICE_ID),
+        _env(env.CHECKPOINT_POLICY, ckpt.policy),
+        _env(env.CHECKPOINT_MIN_INTERVAL_SECONDS, ckpt.min_interval_seconds),
+        _env(env.CHECKPOINT_INTERVAL_STEPS, ckpt.interval_steps or 0),
+        _env(env.CHECKPOINT_ASYNC, ckpt.async_),
+        _env(env.CHECKPOINT_KEEP_LATEST, ckpt.keep.latest),
+        _env(env.CHECKPOINT_KEEP_EVERY_STEPS, ckpt.keep.every_steps or 0),
+        _env(env.CHECKPOINT_SAVE_ON_PREEMPTION, ckpt.save_on_preemption),
     ]
 
 

@@ -5,14 +5,15 @@ from __future__ import annotations
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 
+from tpujob_contract import ExitCode
+
 from .api import FailureKind, RestartSpec
 from .facts import JobSetFacts, PodFacts
 
-# The trainer exits 143 after SIGTERM (and after saving the current step, if configured).
-SIGTERM_EXIT_CODE = 143
-# The trainer's exit codes that name a cause (trainer_image/README.md, "Exit codes").
-STORAGE_EXIT_CODE = 3  # checkpoint storage stayed unreachable for TPUJOB_STORAGE_WAIT_SECONDS at start
-INCOMPATIBLE_EXIT_CODE = 4  # no committed checkpoint could be restored (e.g. a changed model)
+# The trainer's exit codes that name a cause (the contract; trainer_image/README.md, "Exit codes").
+SIGTERM_EXIT_CODE = ExitCode.PREEMPTED  # after SIGTERM (and after saving the current step, if configured)
+STORAGE_EXIT_CODE = ExitCode.STORAGE
+INCOMPATIBLE_EXIT_CODE = ExitCode.CHECKPOINT_INCOMPATIBLE
 # Kinds that no restart can fix: the job fails at once, without spending the budget.
 TERMINAL_KINDS: frozenset[FailureKind] = frozenset({"CheckpointIncompatible"})
 # Kinds that are not the job's fault and never count against maxRestarts.

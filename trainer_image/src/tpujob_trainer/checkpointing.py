@@ -20,15 +20,15 @@ import orbax.checkpoint as ocp
 from etils import epath
 from jax.experimental import multihost_utils
 from orbax.checkpoint import checkpoint_managers as cm
+from tpujob_contract import COMMIT_MARKER, RestoreFailure, Resume
 
 from tpujob_trainer.config import CheckpointConfig, ConfigError
-from tpujob_trainer.progress import RestoreFailure, short_error
+from tpujob_trainer.progress import short_error
 
 log = logging.getLogger("tpujob_trainer")
 
 # Orbax 0.12.8's marker for a finalized step on gs:// (CommitFileTemporaryPath). On a local path
 # the marker is the rename of `<step>.orbax-checkpoint-tmp` to `<step>` (AtomicRenameTemporaryPath).
-COMMIT_MARKER = "commit_success.txt"
 TMP_SUFFIX = ".orbax-checkpoint-tmp"
 
 
@@ -132,10 +132,10 @@ class CheckpointManager(ocp.CheckpointManager):  # type: ignore[misc]  # orbax s
             raise
 
 
-def restore_candidates(committed: Sequence[int], resume_step: int) -> list[int]:
+def restore_candidates(committed: Sequence[int], resume: Resume) -> list[int]:
     """The chosen step (pinned or latest, see choose_restore_step) first, then older committed
     steps, newest first: where a failed restore falls back to."""
-    chosen = choose_restore_step(committed, resume_step)
+    chosen = choose_restore_step(committed, resume)
     if chosen is None:
         return []
     return [chosen, *sorted((s for s in committed if s < chosen), reverse=True)]
@@ -199,14 +199,18 @@ def restore_with_fallback(
     raise CheckpointIncompatible(failures)
 
 
-def choose_restore_step(committed: Sequence[int], resume_step: int) -> int | None:
-    """resume_step >= 0: exactly that committed step; -1: the latest committed step, or None."""
-    if resume_step >= 0:
-        if resume_step not in committed:
+def choose_restore_step(committed: Sequence[int], resume: Resume) -> int | None:
+    """A pinned step: exactly that committed step; latest: the latest committed step, or None;
+    fresh: None (step 0, whatever is committed)."""
+    if resume.kind == "step":
+        assert resume.step is not None
+        if resume.step not in committed:
             raise ConfigError(
-                f"TPUJOB_RESUME_STEP={resume_step} is not a committed checkpoint; committed steps: {sorted(committed)}"
+                f"TPUJOB_RESUME_STEP={resume.step} is not a committed checkpoint; committed steps: {sorted(committed)}"
             )
-        return resume_step
+        return resume.step
+    if resume.kind == "fresh":
+        return None
     return max(committed) if committed else None
 
 

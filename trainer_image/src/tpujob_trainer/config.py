@@ -14,6 +14,8 @@ import math
 from collections.abc import Mapping, Sequence
 from typing import Literal
 
+from tpujob_contract import Env, Resume
+
 
 class ConfigError(ValueError):
     """The configuration is invalid (exit code 2)."""
@@ -77,7 +79,7 @@ class CheckpointConfig:
     keep_latest: int
     keep_every_steps: int
     save_on_preemption: bool
-    resume_step: int  # -1: latest committed step, if any
+    resume: Resume  # the operator's TPUJOB_RESUME_STEP: a committed step, the latest one, or fresh
 
 
 @dataclasses.dataclass(frozen=True)
@@ -137,6 +139,13 @@ def _bool(env: Mapping[str, str], name: str, default: bool) -> bool:
     raise ConfigError(f"{name}={raw!r} is not true/false")
 
 
+def _resume(env: Mapping[str, str]) -> Resume:
+    try:
+        return Resume.parse(env.get(Env.RESUME, ""))
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
+
+
 def _require(condition: bool, message: str) -> None:
     if not condition:
         raise ConfigError(message)
@@ -182,31 +191,30 @@ def _train_config(args: argparse.Namespace) -> TrainConfig:
 
 
 def _checkpoint_config(env: Mapping[str, str]) -> CheckpointConfig:
-    policy = env.get("TPUJOB_CHECKPOINT_POLICY", "continuous").strip() or "continuous"
+    policy = env.get(Env.CHECKPOINT_POLICY, "continuous").strip() or "continuous"
     _require(policy in ("continuous", "interval"), f"TPUJOB_CHECKPOINT_POLICY={policy!r}: want continuous|interval")
     cfg = CheckpointConfig(
         policy="continuous" if policy == "continuous" else "interval",
-        min_interval_seconds=_float(env, "TPUJOB_CHECKPOINT_MIN_INTERVAL_SECONDS", 0.0),
-        interval_steps=_int(env, "TPUJOB_CHECKPOINT_INTERVAL_STEPS", 100),
-        async_save=_bool(env, "TPUJOB_CHECKPOINT_ASYNC", True),
-        keep_latest=_int(env, "TPUJOB_CHECKPOINT_KEEP_LATEST", 3),
-        keep_every_steps=_int(env, "TPUJOB_CHECKPOINT_KEEP_EVERY_STEPS", 0),
-        save_on_preemption=_bool(env, "TPUJOB_CHECKPOINT_SAVE_ON_PREEMPTION", True),
-        resume_step=_int(env, "TPUJOB_RESUME_STEP", -1),
+        min_interval_seconds=_float(env, Env.CHECKPOINT_MIN_INTERVAL_SECONDS, 0.0),
+        interval_steps=_int(env, Env.CHECKPOINT_INTERVAL_STEPS, 100),
+        async_save=_bool(env, Env.CHECKPOINT_ASYNC, True),
+        keep_latest=_int(env, Env.CHECKPOINT_KEEP_LATEST, 3),
+        keep_every_steps=_int(env, Env.CHECKPOINT_KEEP_EVERY_STEPS, 0),
+        save_on_preemption=_bool(env, Env.CHECKPOINT_SAVE_ON_PREEMPTION, True),
+        resume=_resume(env),
     )
     _require(cfg.min_interval_seconds >= 0, "TPUJOB_CHECKPOINT_MIN_INTERVAL_SECONDS must be >= 0")
     _require(cfg.policy != "interval" or cfg.interval_steps > 0, "TPUJOB_CHECKPOINT_INTERVAL_STEPS must be > 0")
     _require(cfg.keep_latest >= 1, "TPUJOB_CHECKPOINT_KEEP_LATEST must be >= 1")
     _require(cfg.keep_every_steps >= 0, "TPUJOB_CHECKPOINT_KEEP_EVERY_STEPS must be >= 0")
-    _require(cfg.resume_step >= -1, "TPUJOB_RESUME_STEP must be -1 (latest) or a step >= 0")
     return cfg
 
 
 def topology_from_env(env: Mapping[str, str]) -> Topology:
     """process_id = slice_id * hosts_per_slice + JOB_COMPLETION_INDEX, unless overridden."""
-    num_slices = _int(env, "TPUJOB_NUM_SLICES", 1)
-    hosts_per_slice = _int(env, "TPUJOB_HOSTS_PER_SLICE", 1)
-    slice_id = _int(env, "TPUJOB_SLICE_ID", 0)
+    num_slices = _int(env, Env.NUM_SLICES, 1)
+    hosts_per_slice = _int(env, Env.HOSTS_PER_SLICE, 1)
+    slice_id = _int(env, Env.SLICE_ID, 0)
     completion_index = _int(env, "JOB_COMPLETION_INDEX", 0)
     _require(num_slices >= 1 and hosts_per_slice >= 1, "TPUJOB_NUM_SLICES and TPUJOB_HOSTS_PER_SLICE must be >= 1")
     _require(0 <= slice_id < num_slices, f"TPUJOB_SLICE_ID={slice_id} not in [0, {num_slices})")
@@ -217,7 +225,7 @@ def topology_from_env(env: Mapping[str, str]) -> Topology:
     num_processes = _int(env, "TPUJOB_NUM_PROCESSES", num_slices * hosts_per_slice)
     _require(0 <= process_id < num_processes, f"process id {process_id} not in [0, {num_processes})")
     _require(num_processes % num_slices == 0, f"{num_processes} processes do not divide into {num_slices} slices")
-    coordinator = env.get("TPUJOB_COORDINATOR_ADDRESS", "").strip() or None
+    coordinator = env.get(Env.COORDINATOR_ADDRESS, "").strip() or None
     _require(num_processes == 1 or coordinator is not None, "TPUJOB_COORDINATOR_ADDRESS is required with >1 process")
     return Topology(coordinator, process_id, num_processes, num_slices)
 
@@ -225,16 +233,16 @@ def topology_from_env(env: Mapping[str, str]) -> Topology:
 def parse_config(argv: Sequence[str], env: Mapping[str, str]) -> Config:
     """Build the configuration from command-line flags (first) and the environment (fallback)."""
     args = _flag_parser(env).parse_args(list(argv))
-    run_dir = env.get("TPUJOB_RUN_DIR", "").strip().rstrip("/") or None
+    run_dir = env.get(Env.RUN_DIR, "").strip().rstrip("/") or None
     return Config(
         train=_train_config(args),
         checkpoint=_checkpoint_config(env) if run_dir else None,
         topology=topology_from_env(env),
         run_dir=run_dir,
-        job_name=env.get("TPUJOB_NAME", ""),
-        job_namespace=env.get("TPUJOB_NAMESPACE", ""),
-        job_uid=env.get("TPUJOB_UID", "").strip(),
-        attempt=_int(env, "TPUJOB_ATTEMPT", 0),
+        job_name=env.get(Env.NAME, ""),
+        job_namespace=env.get(Env.NAMESPACE, ""),
+        job_uid=env.get(Env.UID, "").strip(),
+        attempt=_int(env, Env.ATTEMPT, 0),
         progress_interval_seconds=_float(env, "TPUJOB_PROGRESS_INTERVAL_SECONDS", 5.0),
         storage_timeout_seconds=_storage_seconds(env, "TPUJOB_STORAGE_TIMEOUT_SECONDS", 30.0),
         storage_wait_seconds=_storage_seconds(env, "TPUJOB_STORAGE_WAIT_SECONDS", 600.0),

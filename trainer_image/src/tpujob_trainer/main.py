@@ -12,16 +12,17 @@ Exit codes (the operator classifies failures by them):
 from __future__ import annotations
 
 import dataclasses
-import enum
 import logging
 import os
 import socket
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 import jax
 import orbax.checkpoint as ocp
+import tpujob_contract as contract
+from tpujob_contract import ExitCode
 
 from tpujob_trainer import checkpointing, progress
 from tpujob_trainer.checkpointing import CheckpointIncompatible, CheckpointManager, PreemptionNotice, StorageError
@@ -31,15 +32,6 @@ from tpujob_trainer.train import State, Trainer, make_mesh
 
 log = logging.getLogger("tpujob_trainer")
 FINAL_SAVE_TRIES = 5  # the final / SIGTERM save: tries, 2 s doubling to 16 s apart
-
-
-class ExitCode(enum.IntEnum):
-    OK = 0
-    FAILED = 1
-    BAD_CONFIG = 2
-    STORAGE = 3
-    CHECKPOINT_INCOMPATIBLE = 4
-    PREEMPTED = 143  # 128 + SIGTERM, what a shell or the kubelet reports for a SIGTERM death
 
 
 def _scalar(x: jax.Array) -> float:
@@ -85,24 +77,35 @@ class _Status:
     loss: float | None = None
     steps_per_second: float | None = None
     resumed_from: int | None = None
-    restore_failures: list[progress.RestoreFailure] = dataclasses.field(default_factory=list)
+    restore_failures: list[contract.RestoreFailure] = dataclasses.field(default_factory=list)
     save_failures: int = 0
-    outcome: progress.State = "failed"
+    outcome: contract.State = "failed"
+    # The attempt's start-up, as the goodput ledger splits it (RFC 3339), and the time saves blocked.
+    process_started_at: str = dataclasses.field(default_factory=contract.now_rfc3339)
+    storage_ready_at: str | None = None
+    restore_started_at: str | None = None
+    restore_finished_at: str | None = None
+    first_step_at: str | None = None
+    save_blocking_seconds: float = 0.0
 
-    def record(self, state: progress.State) -> progress.Progress:
-        return progress.Progress(
+    def record(self, state: contract.State) -> contract.ProgressRecord:
+        return contract.ProgressRecord(
             step=self.step, loss=self.loss, steps_per_second=self.steps_per_second, last_committed_step=None,
-            attempt=self.attempt, resumed_from_step=self.resumed_from, updated_at=progress.rfc3339_now(),
+            attempt=self.attempt, resumed_from_step=self.resumed_from, updated_at=contract.now_rfc3339(),
             state=state, uid=self.uid, restored_step=self.resumed_from,
             restore_failures=tuple(self.restore_failures), save_failures=self.save_failures,
+            process_started_at=self.process_started_at, storage_ready_at=self.storage_ready_at,
+            restore_started_at=self.restore_started_at, restore_finished_at=self.restore_finished_at,
+            first_step_at=self.first_step_at, save_blocking_seconds=round(self.save_blocking_seconds, 3),
         )  # fmt: skip
 
 
-def _open_manager(cfg: Config, notice: PreemptionNotice) -> CheckpointManager | None:
+def _open_manager(cfg: Config, notice: PreemptionNotice, status: _Status) -> CheckpointManager | None:
     if not (cfg.run_dir and cfg.checkpoint):
         log.warning("TPUJOB_RUN_DIR is not set: training without checkpoints")
         return None
     _wait_for_storage(cfg)
+    status.storage_ready_at = contract.now_rfc3339()
     log.info("checkpoints: %s/checkpoints, %s", cfg.run_dir, cfg.checkpoint)
     return CheckpointManager(f"{cfg.run_dir}/checkpoints", checkpointing.manager_options(cfg.checkpoint), notice)
 
@@ -130,12 +133,20 @@ def _restore_or_init(cfg: Config, trainer: Trainer, mngr: CheckpointManager | No
     Sets status.resumed_from and status.restore_failures; raises CheckpointIncompatible (exit 4)
     when no committed step can be restored.
     """
-    resume_step = cfg.checkpoint.resume_step if cfg.checkpoint else -1
-    candidates = checkpointing.restore_candidates(mngr.all_steps(), resume_step) if mngr else []
+    resume = cfg.checkpoint.resume if cfg.checkpoint else contract.LATEST
+    candidates = checkpointing.restore_candidates(mngr.all_steps(), resume) if mngr else []
     if mngr is None or not candidates:
-        log.info("resume: no committed checkpoint, fresh start from step 0")
+        abandoned = mngr.all_steps() if mngr and resume == contract.FRESH else []
+        if abandoned:  # a fresh start was asked for: what is committed belongs to another trajectory
+            log.warning("resume: fresh start asked for; deleting committed steps %s", abandoned)
+            for s in abandoned:
+                mngr.delete(s)  # type: ignore[union-attr]
+        if resume == contract.FRESH:
+            log.info("resume: fresh start from step 0, as TPUJOB_RESUME_STEP=fresh asks")
+        else:
+            log.info("resume: no committed checkpoint, fresh start from step 0")
         return trainer.init()
-    why = "pinned by TPUJOB_RESUME_STEP" if resume_step >= 0 else "latest committed"
+    why = "pinned by TPUJOB_RESUME_STEP" if resume.kind == "step" else "latest committed"
     log.info("resume: restoring step %d (%s) from %s", candidates[0], why, mngr.directory)
 
     def restore(step: int) -> State:
@@ -146,6 +157,7 @@ def _restore_or_init(cfg: Config, trainer: Trainer, mngr: CheckpointManager | No
             raise RuntimeError(f"checkpoint {step} holds step {_scalar(state['step'])}")
         return state
 
+    status.restore_started_at = contract.now_rfc3339()
     try:
         restored, step, status.restore_failures = checkpointing.restore_with_fallback(
             restore, candidates, lambda: _storage_ok(cfg), lambda: _wait_for_storage(cfg)
@@ -153,6 +165,7 @@ def _restore_or_init(cfg: Config, trainer: Trainer, mngr: CheckpointManager | No
     except CheckpointIncompatible as err:
         status.restore_failures = list(err.failures)
         raise
+    status.restore_finished_at = contract.now_rfc3339()
     status.resumed_from = step
     # Training continues from the restored step, so newer steps belong to an abandoned trajectory
     # (or could not be restored): drop them, or a later restart from the "latest committed" step
@@ -177,7 +190,16 @@ def _save(mngr: CheckpointManager, step: int, state: State, status: _Status) -> 
             # Raise a finished save's error here rather than from inside save(), after Orbax's
             # first barrier, where other processes would wait for this one.
             mngr.wait_until_finished()
-        return mngr.save(step, args=ocp.args.StandardSave(state))
+        if not mngr.should_save(step):
+            return False
+        # The step is dispatched asynchronously: wait for it first, so that the time below is the
+        # save's blocking part alone (the goodput ledger's checkpoint-save badput).
+        jax.block_until_ready(state)  # type: ignore[no-untyped-call]
+        blocked_from = time.monotonic()
+        try:
+            return mngr.save(step, args=ocp.args.StandardSave(state))
+        finally:
+            status.save_blocking_seconds += time.monotonic() - blocked_from
     except Exception as err:
         status.save_failures += 1
         log.warning("checkpoint: save failed (%s); training goes on, the next save retries", progress.short_error(err))
@@ -196,6 +218,16 @@ def _save_final(mngr: CheckpointManager, step: int, state: State, status: _Statu
     """Make sure `step` is committed (the final step, or the SIGTERM step): retry a bounded number
     of times, because this checkpoint is the one a restart or the user will want."""
     delays = checkpointing.backoff_delays(2.0, 16.0)
+    blocked_from = time.monotonic()
+    try:
+        return _save_final_tries(mngr, step, state, status, delays)
+    finally:
+        status.save_blocking_seconds += time.monotonic() - blocked_from
+
+
+def _save_final_tries(
+    mngr: CheckpointManager, step: int, state: State, status: _Status, delays: Iterator[float]
+) -> bool:
     for attempt in range(1, FINAL_SAVE_TRIES + 1):
         try:
             if attempt > 1:
@@ -233,6 +265,9 @@ def _train(
         batch = trainer.device_batch(batch_for_step(tc.seed, step - 1, tc.batch_size, tc.seq_len, tc.model.vocab_size))
         state, loss = trainer.step(state, batch)
         status.step, window_steps = step, window_steps + 1
+        if status.first_step_at is None:  # compilation and the first step are behind us
+            jax.block_until_ready(loss)  # type: ignore[no-untyped-call]
+            status.first_step_at = contract.now_rfc3339()
         if mngr:
             # Report a finished save before the policy may start the next one.
             if pending_save is not None and not mngr.is_saving_in_progress():
@@ -268,7 +303,7 @@ def _train(
     return False
 
 
-def run(cfg: Config) -> ExitCode:
+def run(cfg: Config, process_started_at: str | None = None) -> ExitCode:
     distributed = _init_distributed(cfg)
     notice = PreemptionNotice(distributed)
     tc = cfg.train
@@ -278,12 +313,14 @@ def run(cfg: Config) -> ExitCode:
         who, cfg.attempt, jax.process_index(), jax.process_count(), jax.device_count(), jax.devices()[0].platform,
         tc.model.name, tc.model.num_params() / 1e6, tc.steps, tc.batch_size, tc.seq_len,
     )  # fmt: skip
-    mngr = _open_manager(cfg, notice)
+    status = _Status(
+        attempt=cfg.attempt, uid=cfg.job_uid, process_started_at=process_started_at or contract.now_rfc3339()
+    )
+    mngr = _open_manager(cfg, notice, status)
     writer = None
     if mngr and cfg.run_dir and jax.process_index() == 0:
         checkpoint_dir = str(mngr.directory)
         writer = progress.ProgressWriter(cfg.run_dir, lambda s: checkpointing.is_committed(checkpoint_dir, s))
-    status = _Status(attempt=cfg.attempt, uid=cfg.job_uid)
     try:
         trainer = Trainer(tc, make_mesh(cfg.topology.num_slices))
         try:
@@ -319,6 +356,7 @@ def _close(mngr: CheckpointManager, writer: progress.ProgressWriter | None) -> N
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    started = contract.now_rfc3339()  # before the imports' and JAX's start-up cost is paid below
     # A handler of our own: absl (imported by orbax) has already claimed the root logger.
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s [tpujob_trainer] %(message)s"))
@@ -327,7 +365,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     log.propagate = False
     try:
         cfg = parse_config(sys.argv[1:] if argv is None else argv, os.environ)
-        return run(cfg)
+        return run(cfg, started)
     except ConfigError as err:
         log.error("bad configuration: %s", err)
         return ExitCode.BAD_CONFIG

@@ -1,4 +1,4 @@
-"""Progress reporting: a human line on stdout and a machine-readable `progress.json` for the operator.
+"""contract.ProgressRecord reporting: a human line on stdout and a machine-readable `progress.json` for the operator.
 
 Why a JSON object in the run directory (and not a patch of the TrainingJob status or a pod
 annotation): the trainer then needs no Kubernetes credentials or RBAC, only the GCS access it
@@ -11,60 +11,22 @@ background thread so that a slow bucket never stalls a training step.
 from __future__ import annotations
 
 import dataclasses
-import datetime
-import json
 import logging
 import os
 import threading
 from collections.abc import Callable
-from typing import Literal
 
+import tpujob_contract as contract
 from etils import epath
 
 log = logging.getLogger("tpujob_trainer")
 
-# incompatible: no committed checkpoint could be restored (exit code 4); see restore_failures.
-State = Literal["running", "succeeded", "preempted", "failed", "incompatible"]
-PROGRESS_FILE = "progress.json"
-ERROR_TEXT_LIMIT = 200  # characters of an error kept in the record: enough to tell causes apart
-
-
-@dataclasses.dataclass(frozen=True)
-class RestoreFailure:
-    """A committed step that could not be restored, and why (shortened)."""
-
-    step: int
-    error: str
-
-
-@dataclasses.dataclass(frozen=True)
-class Progress:
-    step: int
-    loss: float | None
-    steps_per_second: float | None
-    last_committed_step: int | None
-    attempt: int
-    resumed_from_step: int | None
-    updated_at: str
-    state: State
-    uid: str = ""  # the TrainingJob's metadata.uid (TPUJOB_UID): which job wrote this record
-    restored_step: int | None = None  # the step actually restored (an older one if newer ones failed)
-    restore_failures: tuple[RestoreFailure, ...] = ()
-    save_failures: int = 0  # saves of this attempt that raised; training went on and retried
-
 
 def short_error(err: BaseException) -> str:
-    """`Type: message` on one line, cut to ERROR_TEXT_LIMIT characters."""
+    """`Type: message` on one line, cut to the contract's limit."""
     text = " ".join(f"{type(err).__name__}: {err}".split())
-    return text if len(text) <= ERROR_TEXT_LIMIT else text[: ERROR_TEXT_LIMIT - 3] + "..."
-
-
-def rfc3339_now() -> str:
-    return datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
-
-
-def to_json(progress: Progress) -> str:
-    return json.dumps(dataclasses.asdict(progress), sort_keys=True)
+    limit = contract.ERROR_TEXT_LIMIT
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def progress_line(step: int, total: int, loss: float, steps_per_second: float, last_committed: int | None) -> str:
@@ -83,17 +45,17 @@ def write_atomically(path: epath.Path, text: str) -> None:
 
 
 class ProgressWriter:
-    """Writes the newest published Progress from a background thread, and a final one on close().
+    """Writes the newest published contract.ProgressRecord from a background thread, and a final one on close().
 
     `committed` resolves the step of the last finished save to the step whose commit marker is
     actually in storage (a failed async save leaves none), off the training thread.
     """
 
     def __init__(self, run_dir: str, committed: Callable[[int], bool]):
-        self._path = epath.Path(run_dir) / PROGRESS_FILE
+        self._path = epath.Path(contract.progress_path(run_dir))
         self._committed = committed
         self._cond = threading.Condition()
-        self._pending: Progress | None = None
+        self._pending: contract.ProgressRecord | None = None
         self._closed = False
         self._candidates: list[int] = []
         self.last_committed_step: int | None = None
@@ -106,7 +68,7 @@ class ProgressWriter:
             self._candidates.append(step)
             self._cond.notify()
 
-    def publish(self, progress: Progress) -> None:
+    def publish(self, progress: contract.ProgressRecord) -> None:
         """Queue a record; the caller throttles to one per interval, an unwritten one is replaced."""
         with self._cond:
             self._pending = progress
@@ -124,14 +86,14 @@ class ProgressWriter:
             except Exception:
                 log.warning("could not check the commit marker of step %d", step, exc_info=True)
 
-    def _write(self, progress: Progress) -> None:
+    def _write(self, progress: contract.ProgressRecord) -> None:
         progress = dataclasses.replace(progress, last_committed_step=self.last_committed_step)
         try:
-            write_atomically(self._path, to_json(progress))
+            write_atomically(self._path, contract.to_json(progress))
         except Exception:
             log.warning("could not write %s", self._path, exc_info=True)
 
-    def _take(self) -> tuple[list[int], Progress | None]:
+    def _take(self) -> tuple[list[int], contract.ProgressRecord | None]:
         candidates, self._candidates = self._candidates, []
         pending, self._pending = self._pending, None
         return candidates, pending
@@ -147,7 +109,7 @@ class ProgressWriter:
             if pending is not None:
                 self._write(pending)
 
-    def close(self, final: Progress, timeout_s: float = 30.0) -> None:
+    def close(self, final: contract.ProgressRecord, timeout_s: float = 30.0) -> None:
         """Stop the thread and write `final` (with the committed step re-checked) synchronously."""
         with self._cond:
             self._closed = True

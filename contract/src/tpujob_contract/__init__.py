@@ -1,0 +1,210 @@
+"""The operator <-> trainer contract, in one dependency-free module that both sides import.
+
+- the environment the operator sets in every worker (`Env`), including the resume value (`Resume`);
+- the run directory's layout: `<directory>/<namespace>/<name>/{checkpoints/<step>/, progress.json}`
+  and the commit rule (a step is committed once Orbax wrote its marker);
+- the progress record the trainer writes and the operator reads (`ProgressRecord`, JSON codec);
+- the trainer's exit codes, which the operator classifies failures by (`ExitCode`).
+
+Nothing here may import anything outside the standard library: it ships in both images.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import json
+import re
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from typing import Any, Final, Literal
+
+
+class Env:
+    """Names of the variables the operator sets in every worker container."""
+
+    NAME: Final = "TPUJOB_NAME"
+    NAMESPACE: Final = "TPUJOB_NAMESPACE"
+    UID: Final = "TPUJOB_UID"  # the TrainingJob's metadata.uid: which incarnation a record belongs to
+    ATTEMPT: Final = "TPUJOB_ATTEMPT"
+    RESUME: Final = "TPUJOB_RESUME_STEP"  # Resume.encode(): a committed step, "latest" or "fresh"
+    RUN_DIR: Final = "TPUJOB_RUN_DIR"
+    NUM_SLICES: Final = "TPUJOB_NUM_SLICES"
+    HOSTS_PER_SLICE: Final = "TPUJOB_HOSTS_PER_SLICE"
+    SLICE_ID: Final = "TPUJOB_SLICE_ID"
+    COORDINATOR_ADDRESS: Final = "TPUJOB_COORDINATOR_ADDRESS"
+    MEGASCALE_COORDINATOR_ADDRESS: Final = "MEGASCALE_COORDINATOR_ADDRESS"
+    MEGASCALE_NUM_SLICES: Final = "MEGASCALE_NUM_SLICES"
+    MEGASCALE_SLICE_ID: Final = "MEGASCALE_SLICE_ID"
+    CHECKPOINT_POLICY: Final = "TPUJOB_CHECKPOINT_POLICY"
+    CHECKPOINT_MIN_INTERVAL_SECONDS: Final = "TPUJOB_CHECKPOINT_MIN_INTERVAL_SECONDS"
+    CHECKPOINT_INTERVAL_STEPS: Final = "TPUJOB_CHECKPOINT_INTERVAL_STEPS"
+    CHECKPOINT_ASYNC: Final = "TPUJOB_CHECKPOINT_ASYNC"
+    CHECKPOINT_KEEP_LATEST: Final = "TPUJOB_CHECKPOINT_KEEP_LATEST"
+    CHECKPOINT_KEEP_EVERY_STEPS: Final = "TPUJOB_CHECKPOINT_KEEP_EVERY_STEPS"
+    CHECKPOINT_SAVE_ON_PREEMPTION: Final = "TPUJOB_CHECKPOINT_SAVE_ON_PREEMPTION"
+
+    @classmethod
+    def names(cls) -> tuple[str, ...]:
+        """Every name above: users may not set them (the CRD refuses them in spec.env)."""
+        return tuple(v for k, v in vars(cls).items() if k.isupper() and isinstance(v, str))
+
+
+@dataclass(frozen=True)
+class Resume:
+    """Where an attempt starts: exactly a committed step, the latest committed step, or step 0."""
+
+    kind: Literal["step", "latest", "fresh"]
+    step: int | None = None
+
+    @staticmethod
+    def at(step: int) -> Resume:
+        if step < 0:
+            raise ValueError(f"a resume step is >= 0, got {step}")
+        return Resume("step", step)
+
+    def encode(self) -> str:
+        return str(self.step) if self.kind == "step" else self.kind
+
+    @staticmethod
+    def parse(text: str) -> Resume:
+        """The operator's value; "-1" and "" mean latest (what operators before "latest" wrote)."""
+        raw = text.strip().lower()
+        if raw in ("", "latest", "-1"):
+            return LATEST
+        if raw == "fresh":
+            return FRESH
+        if raw.isdigit():
+            return Resume.at(int(raw))
+        raise ValueError(f"{Env.RESUME}={text!r}: want a committed step, 'latest' or 'fresh'")
+
+
+LATEST: Final = Resume("latest")
+FRESH: Final = Resume("fresh")
+
+# --- the run directory -------------------------------------------------------------------------------
+
+CHECKPOINTS_DIR: Final = "checkpoints"
+PROGRESS_FILE: Final = "progress.json"
+# Orbax 0.12 on GCS has no atomic rename: it writes the step directory in place and marks it committed
+# by writing this file last. A step directory without it is partial (a save cut short).
+COMMIT_MARKER: Final = "commit_success.txt"
+_STEP_NAME = re.compile(r"^\d+$")
+
+
+def run_dir(directory: str, namespace: str, name: str) -> str:
+    """gs://bucket/prefix/<namespace>/<name>: one job's own subtree."""
+    return f"{directory.rstrip('/')}/{namespace}/{name}"
+
+
+def checkpoints_dir(run: str) -> str:
+    return f"{run.rstrip('/')}/{CHECKPOINTS_DIR}"
+
+
+def step_dir(run: str, step: int) -> str:
+    return f"{checkpoints_dir(run)}/{step}"
+
+
+def commit_marker(run: str, step: int) -> str:
+    return f"{step_dir(run, step)}/{COMMIT_MARKER}"
+
+
+def progress_path(run: str) -> str:
+    return f"{run.rstrip('/')}/{PROGRESS_FILE}"
+
+
+def step_of(entry: str) -> int | None:
+    """The step a directory entry under checkpoints/ names, or None (Orbax's temporary directories,
+    <step>.orbax-checkpoint-tmp-..., are not digits-only)."""
+    name = entry.rstrip("/").rsplit("/", 1)[-1]
+    return int(name) if _STEP_NAME.match(name) else None
+
+
+# --- exit codes ----------------------------------------------------------------------------------------
+
+
+class ExitCode(enum.IntEnum):
+    OK = 0
+    FAILED = 1
+    BAD_CONFIG = 2
+    STORAGE = 3  # checkpoint storage unreachable for TPUJOB_STORAGE_WAIT_SECONDS at start
+    CHECKPOINT_INCOMPATIBLE = 4  # no committed checkpoint could be restored (e.g. a changed model)
+    PREEMPTED = 143  # 128 + SIGTERM: stopped by SIGTERM, after saving the current step
+
+
+# --- the progress record -----------------------------------------------------------------------------
+
+State = Literal["starting", "running", "succeeded", "preempted", "failed", "incompatible"]
+ERROR_TEXT_LIMIT: Final = 200
+
+
+@dataclass(frozen=True)
+class RestoreFailure:
+    """A committed step that could not be restored, and why (shortened)."""
+
+    step: int
+    error: str
+
+
+@dataclass(frozen=True)
+class ProgressRecord:
+    """$TPUJOB_RUN_DIR/progress.json, written by process 0 of the current attempt.
+
+    Times are RFC 3339 UTC strings. The start-up timestamps let the operator split an attempt's
+    wall time into start-up, restore and training (the goodput ledger).
+    """
+
+    step: int
+    attempt: int
+    updated_at: str
+    state: State = "running"
+    uid: str = ""  # the TrainingJob's metadata.uid (TPUJOB_UID)
+    loss: float | None = None
+    steps_per_second: float | None = None
+    last_committed_step: int | None = None
+    resumed_from_step: int | None = None  # kept for readers of older records; same as restored_step
+    restored_step: int | None = None  # the step actually restored (older than pinned if that one failed)
+    restore_failures: tuple[RestoreFailure, ...] = ()
+    save_failures: int = 0  # saves of this attempt that raised; training went on and retried
+    process_started_at: str | None = None
+    storage_ready_at: str | None = None  # the storage probe passed
+    restore_started_at: str | None = None
+    restore_finished_at: str | None = None
+    first_step_at: str | None = None  # the first step of this attempt finished (compilation included)
+    save_blocking_seconds: float = 0.0  # training loop blocked by checkpoint saves, this attempt, cumulative
+
+
+def now_rfc3339() -> str:
+    return datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+
+
+def parse_time(text: str | None) -> datetime | None:
+    if not text:
+        return None
+    return datetime.fromisoformat(text.replace("Z", "+00:00"))
+
+
+def to_json(record: ProgressRecord) -> str:
+    return json.dumps(dataclasses.asdict(record), sort_keys=True)
+
+
+_FIELDS = {f.name for f in dataclasses.fields(ProgressRecord)}
+
+
+def from_json(raw: str | bytes) -> ProgressRecord:
+    """Read a record; unknown keys are ignored (a newer trainer), missing optional ones defaulted.
+    Raises ValueError when it is not a record at all."""
+    try:
+        data: dict[str, Any] = json.loads(raw)
+        fields = {k: v for k, v in data.items() if k in _FIELDS}
+        fields["step"], fields["attempt"] = int(data["step"]), int(data.get("attempt", 0))
+        fields["updated_at"] = str(data["updated_at"])
+        parse_time(fields["updated_at"])
+        fields["restore_failures"] = tuple(
+            RestoreFailure(step=int(f["step"]), error=str(f.get("error", ""))[:ERROR_TEXT_LIMIT])
+            for f in data.get("restore_failures") or []
+        )
+        fields["uid"] = str(data.get("uid") or "")
+        return ProgressRecord(**fields)
+    except (KeyError, TypeError, AttributeError) as error:
+        raise ValueError(f"not a progress record: {error!r}") from error

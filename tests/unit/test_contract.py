@@ -1,0 +1,116 @@
+"""The operator <-> trainer seam, crossed for real: what build_jobset sets is what the trainer parses,
+and what the trainer writes is what the operator reads."""
+
+from __future__ import annotations
+
+import json
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import pytest
+import tpujob_contract as contract
+from hypothesis import given
+from hypothesis import strategies as st
+from tpujob_operator.api import OPERATOR_ENV_NAMES, OPERATOR_ENV_PREFIXES
+from tpujob_operator.checkpoints import parse_progress
+from tpujob_operator.jobset import JOB_INDEX_ANNOTATION, build_jobset
+from tpujob_trainer.config import parse_config
+from tpujob_trainer.progress import ProgressWriter
+
+from .factories import training_job
+
+
+def _pod_env(manifest: dict[str, Any], slice_index: int, completion_index: int) -> dict[str, str]:
+    """The container env as kubelet resolves it for one pod (downward API and the Job's index)."""
+    pod = manifest["spec"]["replicatedJobs"][0]["template"]["spec"]["template"]
+    annotations = {JOB_INDEX_ANNOTATION: str(slice_index)}
+    env = {"JOB_COMPLETION_INDEX": str(completion_index)}
+    for entry in pod["spec"]["containers"][0]["env"]:
+        if "value" in entry:
+            env[entry["name"]] = entry["value"]
+        else:
+            path = entry["valueFrom"]["fieldRef"]["fieldPath"]
+            assert path == f"metadata.annotations['{JOB_INDEX_ANNOTATION}']"
+            env[entry["name"]] = annotations[JOB_INDEX_ANNOTATION]
+    return env
+
+
+@pytest.mark.parametrize("resume_step", [None, 0, 1200])
+def test_the_trainer_parses_what_the_operator_sets(resume_step):
+    tj = training_job(
+        slices=2,
+        checkpoint={"directory": "gs://acme-ckpt/runs/", "policy": "interval", "intervalSteps": 50,
+                    "keep": {"latest": 4, "everySteps": 1000}, "saveOnPreemption": False},
+    )  # fmt: skip
+    manifest = build_jobset(tj, attempt=3, resume_step=resume_step)
+    cfg = parse_config([], _pod_env(manifest, slice_index=1, completion_index=1))
+    assert (cfg.job_name, cfg.job_namespace, cfg.job_uid, cfg.attempt) == ("llama", "ml", "0000-1111", 3)
+    assert cfg.run_dir == tj.run_dir == "gs://acme-ckpt/runs/ml/llama"
+    hosts = 2  # v5p 2x2x2: 2 hosts per slice
+    assert (cfg.topology.num_processes, cfg.topology.process_id, cfg.topology.num_slices) == (2 * hosts, 3, 2)
+    assert cfg.topology.coordinator_address == "llama-a3-slice-0-0.llama-a3:8476"
+    ckpt = cfg.checkpoint
+    assert ckpt is not None
+    assert (ckpt.policy, ckpt.interval_steps, ckpt.keep_latest, ckpt.keep_every_steps) == ("interval", 50, 4, 1000)
+    assert ckpt.save_on_preemption is False
+    assert ckpt.resume == (contract.LATEST if resume_step is None else contract.Resume.at(resume_step))
+
+
+def test_every_variable_the_operator_sets_is_a_contract_name_users_cannot_set():
+    manifest = build_jobset(training_job(), attempt=0, resume_step=None)
+    set_by_operator = set(_pod_env(manifest, 0, 0)) - {"JOB_COMPLETION_INDEX"}
+    assert set_by_operator == set(contract.Env.names())
+    for name in set_by_operator:
+        assert name in OPERATOR_ENV_NAMES or name.startswith(OPERATOR_ENV_PREFIXES)
+
+
+def test_the_operator_reads_what_the_trainer_writes(tmp_path: Path):
+    record = contract.ProgressRecord(
+        step=130, attempt=2, updated_at=contract.now_rfc3339(), state="running", uid="0000-1111", loss=2.5,
+        steps_per_second=4.0, resumed_from_step=100, restored_step=100,
+        restore_failures=(contract.RestoreFailure(120, "OSError: gone"),), save_failures=1,
+        process_started_at="2026-11-30T12:00:00.000000Z", storage_ready_at="2026-11-30T12:00:02.500000Z",
+        restore_started_at="2026-11-30T12:00:03.000000Z", restore_finished_at="2026-11-30T12:00:09.000000Z",
+        first_step_at="2026-11-30T12:00:21.000000Z", save_blocking_seconds=1.25,
+    )  # fmt: skip
+    writer = ProgressWriter(str(tmp_path), committed=lambda step: step == 125)
+    writer.saved(125)
+    writer.close(record)
+    written = Path(contract.progress_path(str(tmp_path))).read_bytes()
+    progress = parse_progress(written)
+    assert (progress.step, progress.attempt, progress.uid, progress.loss) == (130, 2, "0000-1111", 2.5)
+    assert progress.last_committed_step == 125  # the writer checked the commit rule
+    assert (progress.restored_step, progress.restore_failures[0].step) == (100, 120)
+    assert progress.restore_started_at == datetime(2026, 11, 30, 12, 0, 3, tzinfo=UTC)
+    assert progress.first_step_at == datetime(2026, 11, 30, 12, 0, 21, tzinfo=UTC)
+    assert progress.save_blocking_seconds == 1.25
+
+
+def test_a_record_of_an_older_trainer_is_still_read():
+    old = {"step": 7, "attempt": 1, "updated_at": "2026-11-30T12:00:00Z", "resumed_from_step": 5, "extra": 1}
+    progress = parse_progress(json.dumps(old).encode())
+    assert (progress.step, progress.uid, progress.resumed_from_step, progress.first_step_at) == (7, None, 5, None)
+
+
+@pytest.mark.parametrize("raw", [b"{}", b"[]", b"not json", b'{"step": "x", "updated_at": "now"}'])
+def test_a_malformed_record_is_refused(raw: bytes):
+    with pytest.raises(ValueError):
+        contract.from_json(raw)
+
+
+@given(st.one_of(st.just(contract.LATEST), st.just(contract.FRESH), st.integers(0, 10**12).map(contract.Resume.at)))
+def test_resume_values_survive_the_environment(resume: contract.Resume):
+    assert contract.Resume.parse(resume.encode()) == resume
+
+
+def test_the_run_directory_layout():
+    run = contract.run_dir("gs://b/p/", "ns", "job")
+    assert run == "gs://b/p/ns/job"
+    assert contract.commit_marker(run, 40) == "gs://b/p/ns/job/checkpoints/40/commit_success.txt"
+    assert contract.progress_path(run) == "gs://b/p/ns/job/progress.json"
+    assert [contract.step_of(e) for e in ("40/", "gs://b/p/ns/job/checkpoints/7", "40.orbax-checkpoint-tmp-1/")] == [
+        40,
+        7,
+        None,
+    ]
