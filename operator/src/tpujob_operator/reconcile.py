@@ -15,7 +15,8 @@ from __future__ import annotations
 import dataclasses
 from datetime import datetime
 
-from .api import FailureRecord, Phase, Stage, TrainingJob, TrainingJobStatus
+from . import goodput
+from .api import FailureRecord, FailureTimeline, Phase, Stage, TrainingJob, TrainingJobStatus
 from .facts import Actions, Event, JobSetFacts, Observed, PodFacts
 from .jobset import jobset_name
 from .restarts import (
@@ -44,15 +45,46 @@ _STUCK_WAITING_REASONS = (
 
 
 def reconcile(tj: TrainingJob, observed: Observed) -> tuple[TrainingJobStatus, Actions]:
+    # A record of another incarnation of this name is never taken for ours.
+    if observed.progress is not None and observed.progress.uid != tj.metadata.get("uid"):
+        observed = dataclasses.replace(observed, progress=None)
+    if tj.status.start_time is None:
+        tj = tj.model_copy(update={"status": tj.status.model_copy(update={"start_time": rfc3339(observed.now)})})
+    status, actions = _decide(tj, observed)
+    status = _with_timeline(status, observed, actions)
+    status.goodput = goodput.advance(tj.status, status, observed.progress, observed.now)
+    return status, actions
+
+
+def _with_timeline(status: TrainingJobStatus, observed: Observed, actions: Actions) -> TrainingJobStatus:
+    """Date the stages of the recovery from the last failure as they are seen happen."""
+    failure = status.last_failure
+    if failure is None:
+        return status
+    timeline = failure.timeline.model_copy()
+    current = next((js for js in observed.jobsets if js.attempt == status.attempt and not js.deleting), None)
+    if timeline.job_set_created is None and actions.create_attempt == status.attempt:
+        timeline.job_set_created = rfc3339(observed.now)
+    if current is not None and timeline.detected is not None:
+        scheduled = [p.scheduled_at for p in current.pods if p.scheduled_at is not None]
+        if timeline.pods_scheduled is None and scheduled and len(scheduled) >= (current.expected_pods or 1):
+            timeline.pods_scheduled = rfc3339(max(scheduled))
+    progress = observed.progress
+    if progress is not None and progress.attempt == status.attempt and status.attempt > 0:
+        if timeline.restored is None and progress.restore_finished_at is not None:
+            timeline.restored = rfc3339(progress.restore_finished_at)
+        if timeline.first_new_step is None and failure.recovery_seconds is not None:
+            timeline.first_new_step = rfc3339(progress.first_step_at or progress.updated_at)
+    if timeline == failure.timeline:
+        return status
+    return status.model_copy(update={"last_failure": failure.model_copy(update={"timeline": timeline})})
+
+
+def _decide(tj: TrainingJob, observed: Observed) -> tuple[TrainingJobStatus, Actions]:
     now = observed.now
     uid = tj.metadata.get("uid")
     status = tj.status.model_copy(update={"observed_generation": tj.metadata.get("generation")})
     actions = Actions()
-    if status.start_time is None:
-        status.start_time = rfc3339(now)
-    # A record or JobSet of another incarnation of this name is never taken for ours.
-    if observed.progress is not None and observed.progress.uid != uid:
-        observed = dataclasses.replace(observed, progress=None)
     ours = [js for js in observed.jobsets if js.uid == uid]
     foreign = [js for js in observed.jobsets if js.uid != uid]
     live = [js for js in ours if not js.deleting]
@@ -347,6 +379,7 @@ def _after_failure(
         resume_step=latest,
         lost_steps=lost,
         counted=counted,
+        timeline=FailureTimeline(failed=rfc3339(failure.time or now), detected=rfc3339(now)),
     )
     status.lost_steps += lost or 0
     where = f"slice {failure.slice}" if failure.slice is not None else "a slice"
