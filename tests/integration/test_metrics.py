@@ -17,7 +17,7 @@ from google.cloud import storage
 from prometheus_client.parser import text_string_to_metric_families
 from tpujob_devcluster.controlplane import free_port
 from tpujob_operator import api, checkpoints
-from tpujob_operator.metrics import METRICS
+from tpujob_operator.metrics import BADPUT_CAUSES, METRICS
 
 from ..conftest import TEST_BUCKET
 from .conftest import eventually, training_job_manifest
@@ -80,6 +80,15 @@ def test_a_failed_worker_is_scraped_as_one_counted_application_error_restart(
     assert ("tpujob_restarts_total", frozenset({**restart, "counted": "false"}.items())) not in scraped
     assert scraped[("tpujob_lost_steps_total", frozenset(job.items()))] == 0  # no step was reported
     assert ("tpujob_seconds_since_committed_checkpoint", frozenset(job.items())) in scraped
+    # The ledger's gauges follow status.goodput (nothing trained here: no productive time).
+    goodput = api.Goodput.model_validate(cluster.status(unique_name)["goodput"])
+    assert scraped[("tpujob_productive_seconds", frozenset(job.items()))] == goodput.productive_seconds == 0
+    causes = {
+        dict(labels)["cause"]
+        for name, labels in scraped
+        if name == "tpujob_badput_seconds" and ("name", unique_name) in labels
+    }
+    assert causes == set(BADPUT_CAUSES.values())  # every cause, 0 or not
     live = sum(scraped[("tpujob_jobs", frozenset({("phase", p)}))] for p in ("Pending", "Restarting", "Running"))
     assert live >= 1
     assert scraped[("tpujob_reconcile_duration_seconds_count", frozenset())] >= 3
