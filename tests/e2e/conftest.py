@@ -22,13 +22,16 @@ from tpujob_devcluster.cluster import BUCKET, DevCluster
 from tpujob_devcluster.harness import helm_install_operator, pod_pids, signal_pod
 from tpujob_operator import api, checkpoints
 from tpujob_operator.facts import Progress
+from tpujob_operator.jobset import JOBSET_GROUP, JOBSET_VERSION
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
 E2E_POOLS = {
     # 2 jobs x 2 slices at once, plus a spare for a restart; v5e pools for the 1-host failure tests.
     "pools": [{"name": f"v5p-{c}", "accelerator": "tpu-v5p-slice", "topology": "2x2x2"} for c in "abcde"]
-    + [{"name": f"v5e-{c}", "accelerator": "tpu-v5-lite-podslice", "topology": "2x2"} for c in "abc"],
+    # v5e d-g: the fault matrix runs five 1-host jobs side by side, each with a spare pool for its
+    # restart (a replacement slice may be placed while the failed one's pod is still terminating).
+    + [{"name": f"v5e-{c}", "accelerator": "tpu-v5-lite-podslice", "topology": "2x2"} for c in "abcdefg"],
     "system_nodes": 1,
 }
 
@@ -150,14 +153,65 @@ class E2E:
         found = self.core.list_namespaced_event(self.namespace, field_selector=f"involvedObject.name={name}")
         return [e.reason or "" for e in found.items]
 
+    def event_records(self, name: str, uid: str | None = None) -> list[tuple[str, str]]:
+        """(reason, message) of the Events about `name`, only those of incarnation `uid` if given."""
+        selector = f"involvedObject.name={name}" + (f",involvedObject.uid={uid}" if uid else "")
+        found = self.core.list_namespaced_event(self.namespace, field_selector=selector)
+        return [(e.reason or "", e.message or "") for e in found.items]
+
+    def uid(self, name: str) -> str:
+        body: Any = self.custom.get_namespaced_custom_object(api.GROUP, api.VERSION, self.namespace, api.PLURAL, name)
+        return str(body["metadata"]["uid"])
+
+    def patch_spec(self, name: str, **fields: Any) -> None:
+        self.custom.patch_namespaced_custom_object(
+            api.GROUP, api.VERSION, self.namespace, api.PLURAL, name, {"spec": fields}
+        )
+
+    def delete_job(self, name: str, propagation: str = "Background") -> None:
+        self.custom.delete_namespaced_custom_object(
+            api.GROUP, api.VERSION, self.namespace, api.PLURAL, name,
+            body=client.V1DeleteOptions(propagation_policy=propagation),
+        )  # fmt: skip
+
+    def exists(self, name: str) -> bool:
+        try:
+            self.custom.get_namespaced_custom_object(api.GROUP, api.VERSION, self.namespace, api.PLURAL, name)
+        except client.ApiException as error:
+            if error.status == 404:
+                return False
+            raise
+        return True
+
+    def jobsets(self) -> list[dict[str, Any]]:
+        """Every JobSet in the namespace, as the apiserver has it now."""
+        found: Any = self.custom.list_namespaced_custom_object(JOBSET_GROUP, JOBSET_VERSION, self.namespace, "jobsets")
+        return list(found["items"])
+
+    def committed_steps(self, name: str) -> list[int]:
+        """Every committed step in the bucket (the step's own commit marker exists), ascending."""
+        prefix = f"e2e/{self.namespace}/{name}/checkpoints/"
+        steps = set()
+        for blob in self.gcs.list_blobs(BUCKET, prefix=prefix):
+            head, _, tail = blob.name[len(prefix) :].partition("/")
+            if tail == checkpoints.COMMIT_MARKER and head.isdigit():
+                steps.add(int(head))
+        return sorted(steps)
+
+
+def make_namespace(cluster: DevCluster, name: str) -> E2E:
+    """A namespace of its own (ready for pods) and the test's view of it."""
+    view = E2E(cluster, name)
+    view.core.create_namespace(client.V1Namespace(metadata=client.V1ObjectMeta(name=name)))
+    # The ServiceAccount admission plugin needs the namespace's default ServiceAccount first.
+    deadline = time.monotonic() + 30
+    while not view.core.list_namespaced_service_account(name).items and time.monotonic() < deadline:
+        time.sleep(0.2)
+    return view
+
 
 @pytest.fixture
 def e2e(devcluster: DevCluster, unique_name: str) -> Iterator[E2E]:
-    view = E2E(devcluster, unique_name)
-    view.core.create_namespace(client.V1Namespace(metadata=client.V1ObjectMeta(name=unique_name)))
-    # The ServiceAccount admission plugin needs the namespace's default ServiceAccount first.
-    deadline = time.monotonic() + 30
-    while not view.core.list_namespaced_service_account(unique_name).items and time.monotonic() < deadline:
-        time.sleep(0.2)
+    view = make_namespace(devcluster, unique_name)
     yield view
     view.core.delete_namespace(unique_name)
