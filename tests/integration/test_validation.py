@@ -322,7 +322,8 @@ def test_printer_columns_come_back_from_the_apiserver(kube, control_plane, names
         accept="application/json;as=Table;v=v1;g=meta.k8s.io",
     )
     assert code == 200, table
-    assert [c["name"] for c in table["columnDefinitions"]] == ["Name", "Phase", "Step", "Checkpoint", "Restarts", "Age"]
+    names = [c["name"] for c in table["columnDefinitions"]]
+    assert names == ["Name", "Phase", "Stage", "Step", "Checkpoint", "Restarts", "Goodput", "Age"]
 
 
 def test_kubectl_explain_shows_field_descriptions(control_plane):
