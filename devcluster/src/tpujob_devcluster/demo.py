@@ -1,29 +1,37 @@
-"""`make demo`: a slice fails mid-training and the job comes back by itself.
+"""`make demo`: a slice fails in the middle of training and the job comes back by itself.
 
 devcluster up -> operator installed with the Helm chart (its pod runs through the pod runner) ->
-examples/demo.yaml applied -> once a checkpoint is committed, one slice's worker is SIGKILLed ->
-the operator restarts the workers from the latest committed step -> training completes. A live
-table shows phase, step, checkpoint and restarts; the report at the end gives steps, saves, the
-checkpoint interval, restarts, steps lost and recovery time.
+examples/demo.yaml applied -> once the committed step in the bucket has advanced several times
+and training is well under way, one slice's worker is SIGKILLed half a checkpoint interval after a
+commit -> the operator restarts the workers from the latest committed step -> training completes.
+
+The live view is a small key/value table when stdout is a terminal, plain progress lines when it
+is not. The report at the end shows the steps lost (checked against the trainer's record and the
+bucket), what a fixed-interval policy would have lost at the same step, the recovery stage by
+stage, and the goodput ledger.
+
+The functions above `run_demo` are pure (no cluster, no clock): tests/unit/test_demo_report.py.
 """
 
 from __future__ import annotations
 
 import itertools
+import json
 import os
 import signal
 import statistics
+import sys
 import time
 from dataclasses import dataclass, field
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+import tpujob_contract as contract
 import yaml
 from kubernetes import client, config
-from rich.console import Console
-from rich.live import Live
-from rich.table import Table
-from tpujob_operator.checkpoints import latest_committed_step, make_client, read_progress, split_gs_path
+from tpujob_operator.checkpoints import make_client, read_progress, split_gs_path
+from tpujob_operator.facts import Progress
 
 from .cluster import BUCKET, DevCluster, read_state
 from .controlplane import REPO_ROOT
@@ -31,45 +39,387 @@ from .harness import helm_install_operator, signal_pod
 
 NAMESPACE = "default"
 DEMO_MANIFEST = REPO_ROOT / "examples" / "demo.yaml"
-DEMO_TIMEOUT_S = 540
+DEMO_TIMEOUT_S = 600
+# The kill waits until the committed step has advanced this many times and training is this far along.
+KILL_AFTER_ADVANCES = 3
+KILL_AFTER_FRACTION = 0.4
+# The trainer publishes progress.json this often (default 5 s): the reported step at the kill is fresh.
+PROGRESS_INTERVAL_SECONDS = "1"
+MAXTEXT_CHECKPOINT_PERIOD = 100  # MaxText's default `checkpoint_period`
+LEDGER_TOLERANCE = 0.02  # the parts of the goodput ledger add up to the wall time within 2%
+PLAIN_LINE_EVERY_S = 10.0
+BADPUT_CAUSES = (
+    ("schedulingSeconds", "scheduling"),
+    ("startupSeconds", "start-up"),
+    ("restoreSeconds", "restore"),
+    ("checkpointSaveSeconds", "checkpoint save"),
+    ("wastedProgressSeconds", "wasted progress"),
+    ("infrastructureRecoverySeconds", "infrastructure recovery"),
+    ("suspendedSeconds", "suspended"),
+)
+
+
+# --- pure: arithmetic ----------------------------------------------------------------------------------
+
+
+def fixed_interval_loss(step_at_kill: int, period: int) -> tuple[int, int]:
+    """(step it would resume from, steps lost) for a policy that commits every `period` steps:
+    the last multiple of `period` at or below the step reached is what it would have committed."""
+    if period <= 0:
+        raise ValueError(f"a checkpoint period is > 0, got {period}")
+    resumed = period * (step_at_kill // period)
+    return resumed, step_at_kill - resumed
+
+
+def commit_intervals(committed_steps: list[int]) -> list[int]:
+    """Step deltas between consecutive distinct committed steps (in step order)."""
+    steps = sorted(set(committed_steps))
+    return [b - a for a, b in itertools.pairwise(steps)]
+
+
+def p50_interval(committed_steps: list[int]) -> int | None:
+    """The median step delta between commits (the lower middle value for an even count)."""
+    deltas = commit_intervals(committed_steps)
+    return statistics.median_low(deltas) if deltas else None
+
+
+@dataclass(frozen=True)
+class StageDuration:
+    name: str  # the event that ends the stage
+    at: datetime
+    offset_seconds: float  # since the first event
+    seconds: float | None  # since the previous event; None for the first
+
+
+def stage_durations(events: list[tuple[str, datetime | None]]) -> list[StageDuration]:
+    """Each dated event, in the order given, with its time since the first and since the previous one.
+    Events not (yet) dated are skipped."""
+    dated = [(name, at) for name, at in events if at is not None]
+    if not dated:
+        return []
+    first = dated[0][1]
+    out: list[StageDuration] = []
+    for i, (name, at) in enumerate(dated):
+        previous = dated[i - 1][1] if i else None
+        seconds = round((at - previous).total_seconds(), 1) if previous else None
+        out.append(StageDuration(name, at, round((at - first).total_seconds(), 1), seconds))
+    return out
+
+
+@dataclass(frozen=True)
+class Ledger:
+    ratio: float | None
+    wall: float
+    productive: float
+    badput: tuple[tuple[str, float], ...]  # (cause, seconds), in BADPUT_CAUSES order
+
+    @property
+    def parts(self) -> float:
+        return self.productive + sum(seconds for _, seconds in self.badput)
+
+    @property
+    def adds_up(self) -> bool:
+        return self.wall > 0 and abs(self.parts - self.wall) <= LEDGER_TOLERANCE * self.wall
+
+
+def ledger_of(goodput: dict[str, Any] | None) -> Ledger | None:
+    if not goodput:
+        return None
+    badput = goodput.get("badput") or {}
+    return Ledger(
+        ratio=goodput.get("ratio"),
+        wall=float(goodput.get("wallSeconds") or 0),
+        productive=float(goodput.get("productiveSeconds") or 0),
+        badput=tuple((label, float(badput.get(key) or 0)) for key, label in BADPUT_CAUSES),
+    )
+
+
+# --- pure: what the demo saw, and the report ------------------------------------------------------------
 
 
 @dataclass
-class Timeline:
-    """What the demo saw, sampled from the apiserver and the bucket (independently of the operator)."""
+class Seen:
+    """What the demo saw itself, in the bucket and the trainer's record (independently of the operator)."""
 
-    committed_steps: list[tuple[float, int]] = field(default_factory=list)
-    kill_time: float | None = None
+    committed: list[int] = field(default_factory=list)  # distinct committed steps, in the order first seen
+    kill_time: datetime | None = None
     killed_pod: str | None = None
-    committed_at_kill: int | None = None
-    step_at_kill: int | None = None
-    first_resumed_time: float | None = None
+    committed_at_kill: int | None = None  # latest committed step in the bucket when the worker was killed
+    trainer_step_before_kill: int | None = None
+    trainer_last_step_attempt0: int | None = None  # attempt 0's last progress record (after the kill too)
+    resumed: Progress | None = None  # attempt 1's record, once it trained a step
 
-    def saw_commit(self, step: int | None) -> None:
-        if step is not None and (not self.committed_steps or self.committed_steps[-1][1] != step):
-            self.committed_steps.append((time.monotonic(), step))
+    def saw_commits(self, steps: list[int]) -> bool:
+        new = [s for s in sorted(steps) if s not in self.committed]
+        self.committed.extend(new)
+        return bool(new)
+
+    @property
+    def advances(self) -> int:
+        return max(0, len(self.committed) - 1)
 
 
-def view(tj: dict[str, Any], timeline: Timeline, elapsed: float) -> Table:
+def event_text(seen: Seen, status: dict[str, Any], kill_at_step: int) -> str:
+    failure = status.get("lastFailure") or {}
+    if seen.kill_time is None:
+        latest = seen.committed[-1] if seen.committed else "none"
+        return (
+            f"waiting: {seen.advances}/{KILL_AFTER_ADVANCES} commit advances, "
+            f"step {kill_at_step}+ (committed: {latest})"
+        )
+    if failure.get("recoverySeconds") is not None:
+        return f"resumed from step {failure.get('resumeStep')}, recovered in {failure['recoverySeconds']} s"
+    if failure:
+        return f"{failure.get('kind')} on slice {failure.get('slice')} detected; restarting"
+    return f"SIGKILLed {seen.killed_pod} at step {seen.trainer_step_before_kill}"
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    elapsed: float
+    phase: str
+    stage: str
+    attempt: int
+    step: int | None
+    total_steps: int
+    loss: float | None
+    checkpoint: int | None
+    restarts: int
+    lost_steps: int
+    goodput: float | None
+    event: str
+
+
+def snapshot(tj: dict[str, Any], seen: Seen, elapsed: float, total_steps: int, kill_at_step: int) -> Snapshot:
     status = tj.get("status") or {}
-    table = Table(title=f"TrainingJob {NAMESPACE}/{tj['metadata']['name']}  ({elapsed:.0f}s)")
-    for column in ("phase", "attempt", "step", "loss", "checkpoint", "restarts", "lost steps", "event"):
-        table.add_column(column)
-    event = f"killed {timeline.killed_pod}" if timeline.killed_pod else "waiting for the first checkpoint"
-    if status.get("lastFailure", {}).get("recoverySeconds") is not None:
-        event = f"recovered in {status['lastFailure']['recoverySeconds']}s"
     loss = status.get("loss")
-    table.add_row(
-        str(status.get("phase", "-")),
-        str(status.get("attempt", 0)),
-        str(status.get("step", "-")),
-        f"{loss:.3f}" if isinstance(loss, float) else "-",
-        str((status.get("latestCheckpoint") or {}).get("step", "-")),
-        str(status.get("restarts", 0)),
-        str(status.get("lostSteps", 0)),
-        event,
+    return Snapshot(
+        elapsed=elapsed,
+        phase=str(status.get("phase") or "-"),
+        stage=str(status.get("stage") or "-"),
+        attempt=int(status.get("attempt") or 0),
+        step=status.get("step"),
+        total_steps=total_steps,
+        loss=float(loss) if isinstance(loss, int | float) else None,
+        checkpoint=(status.get("latestCheckpoint") or {}).get("step"),
+        restarts=int(status.get("restarts") or 0),
+        lost_steps=int(status.get("lostSteps") or 0),
+        goodput=(status.get("goodput") or {}).get("ratio"),
+        event=event_text(seen, status, kill_at_step),
     )
-    return table
+
+
+def _opt(value: object) -> str:
+    return "-" if value is None else str(value)
+
+
+def progress_line(s: Snapshot) -> str:
+    """One plain line (under 80 columns) for a log or a pipe."""
+    good = "-" if s.goodput is None else f"{s.goodput:.0%}"
+    return (
+        f"{s.elapsed:4.0f}s {s.phase:<10} {s.stage:<10} try {s.attempt} step {_opt(s.step):>3}/{s.total_steps}"
+        f" ckpt {_opt(s.checkpoint):>3} lost {s.lost_steps} good {good}"
+    )
+
+
+def view_rows(s: Snapshot) -> list[tuple[str, str]]:
+    """The live view's rows (key, value): a vertical table fits any terminal of 80 columns."""
+    loss = "" if s.loss is None else f"   loss {s.loss:.3f}"
+    good = "-" if s.goodput is None else f"{s.goodput:.1%}"
+    return [
+        ("phase", f"{s.phase} / {s.stage}"),
+        ("attempt", f"{s.attempt}   restarts {s.restarts}"),
+        ("step", f"{_opt(s.step)} / {s.total_steps}{loss}"),
+        ("checkpoint", f"{_opt(s.checkpoint)} (latest committed)"),
+        ("lost steps", str(s.lost_steps)),
+        ("goodput", good),
+        ("event", s.event),
+    ]
+
+
+@dataclass(frozen=True)
+class Check:
+    what: str
+    ok: bool
+
+
+def report_data(status: dict[str, Any], seen: Seen, name: str = "demo") -> dict[str, Any]:
+    """Everything the report says, as plain data (also written as JSON next to the cluster state)."""
+    failure = status.get("lastFailure") or {}
+    timeline = failure.get("timeline") or {}
+    step_at_kill = failure.get("step")
+    resume_step = failure.get("resumeStep")
+    lost = failure.get("lostSteps")
+    p50 = p50_interval(seen.committed)
+    restored = seen.resumed.restored_step if seen.resumed else None
+    checks = [
+        Check(
+            f"lastFailure.step {step_at_kill} = trainer's last reported step {seen.trainer_last_step_attempt0}",
+            step_at_kill is not None and step_at_kill == seen.trainer_last_step_attempt0,
+        ),
+        Check(
+            f"resumeStep {resume_step} = step attempt 1 restored {restored}",
+            resume_step is not None and resume_step == restored,
+        ),
+        Check(
+            f"resumeStep {resume_step} >= committed in the bucket at the kill {seen.committed_at_kill}",
+            resume_step is not None and seen.committed_at_kill is not None and resume_step >= seen.committed_at_kill,
+        ),
+        Check(
+            f"lostSteps {lost} = {step_at_kill} - {resume_step}",
+            lost is not None
+            and step_at_kill is not None
+            and resume_step is not None
+            and lost == step_at_kill - resume_step,
+        ),
+    ]
+    fixed = []
+    if step_at_kill is not None:
+        periods = [(MAXTEXT_CHECKPOINT_PERIOD, "MaxText's default")]
+        if p50:
+            periods.append((p50, "continuous's P50 here"))
+        for period, why in periods:
+            resumed, lost_fixed = fixed_interval_loss(step_at_kill, period)
+            fixed.append({"period": period, "why": why, "resumes_from": resumed, "steps_lost": lost_fixed})
+    trainer_times = seen.resumed
+    events: list[tuple[str, datetime | None]] = [
+        ("SIGKILL sent by the demo", seen.kill_time),
+        ("worker failed (pod finished)", contract.parse_time(timeline.get("failed"))),
+        ("operator detected, decided", contract.parse_time(timeline.get("detected"))),
+        ("replacement JobSet created", contract.parse_time(timeline.get("jobSetCreated"))),
+        ("all pods scheduled", contract.parse_time(timeline.get("podsScheduled"))),
+        ("trainer process started", trainer_times.process_started_at if trainer_times else None),
+        ("storage answered", trainer_times.storage_ready_at if trainer_times else None),
+        ("restore started", trainer_times.restore_started_at if trainer_times else None),
+        (
+            "restore finished",
+            (trainer_times.restore_finished_at if trainer_times else None)
+            or contract.parse_time(timeline.get("restored")),
+        ),
+        (
+            "first new step (compiled)",
+            (trainer_times.first_step_at if trainer_times else None)
+            or contract.parse_time(timeline.get("firstNewStep")),
+        ),
+    ]
+    stages = stage_durations(events)
+    ledger = ledger_of(status.get("goodput"))
+    return {
+        "job": f"{NAMESPACE}/{name}",
+        "phase": status.get("phase"),
+        "final_step": status.get("step"),
+        "restarts": status.get("restarts"),
+        "failure": {"kind": failure.get("kind"), "reason": failure.get("reason"), "slice": failure.get("slice")},
+        "killed_pod": seen.killed_pod,
+        "committed_steps_seen": list(seen.committed),
+        "p50_interval_steps": p50,
+        "step_at_kill": step_at_kill,
+        "trainer_step_before_kill": seen.trainer_step_before_kill,
+        "committed_at_kill": seen.committed_at_kill,
+        "resume_step": resume_step,
+        "steps_lost": lost,
+        "checks": [{"what": c.what, "ok": c.ok} for c in checks],
+        "fixed_interval": fixed,
+        "recovery_seconds_operator": failure.get("recoverySeconds"),
+        "timeline": [
+            {"event": s.name, "at": s.at.isoformat(), "offset_s": s.offset_seconds, "stage_s": s.seconds}
+            for s in stages
+        ],
+        "goodput": None
+        if ledger is None
+        else {
+            "ratio": ledger.ratio,
+            "wall_seconds": ledger.wall,
+            "productive_seconds": ledger.productive,
+            "badput_seconds": dict(ledger.badput),
+            "parts_seconds": round(ledger.parts, 1),
+            "adds_up": ledger.adds_up,
+        },
+    }
+
+
+def passed(data: dict[str, Any]) -> bool:
+    goodput = data["goodput"]
+    return (
+        data["phase"] == "Succeeded"
+        and data["restarts"] == 1
+        and all(c["ok"] for c in data["checks"])
+        and goodput is not None
+        and goodput["adds_up"]
+    )
+
+
+def format_report(data: dict[str, Any]) -> str:
+    """The report as text, no line over 80 columns."""
+    lines = [
+        f"TrainingJob {data['job']}: {data['phase']} at step {data['final_step']}, {data['restarts']} restart(s)",
+        f"failure: {data['failure']['kind']}/{data['failure']['reason']} on slice {data['failure']['slice']}",
+        f"killed:  {data['killed_pod']}",
+        "",
+        "Steps lost",
+        f"  step reached at the kill (trainer's last report)  {_opt(data['step_at_kill']):>6}",
+        f"  committed in the bucket at the kill               {_opt(data['committed_at_kill']):>6}",
+        f"  resumed from (attempt 1 restored)                 {_opt(data['resume_step']):>6}",
+        f"  steps lost (status.lastFailure.lostSteps)         {_opt(data['steps_lost']):>6}",
+    ]
+    lines += [f"  [{'ok' if c['ok'] else 'MISMATCH'}] {c['what']}" for c in data["checks"]]
+    seen = data["committed_steps_seen"]
+    lines += [
+        "",
+        f"A fixed-interval policy at the same step ({_opt(data['step_at_kill'])})",
+        "  Saving every N steps, the last multiple of N at or below the step reached",
+        "  is what it would resume from: it loses step - N*floor(step/N) steps",
+        "  (best case for it: that save is taken as committed by the kill).",
+    ]
+    lines.append(f"  {'policy':<40}{'resumes from':>13}{'lost':>7}")
+    for f in data["fixed_interval"]:
+        policy = f"fixed, N = {f['period']} ({f['why']})"
+        lines.append(f"  {policy:<40}{f['resumes_from']:>13}{f['steps_lost']:>7}")
+    lines.append(f"  {'continuous (this run)':<40}{_opt(data['resume_step']):>13}{_opt(data['steps_lost']):>7}")
+    lines.append(f"  ({len(seen)} commits seen, P50 interval {_opt(data['p50_interval_steps'])} steps)")
+    lines += ["", f"Recovery (operator's recoverySeconds: {_opt(data['recovery_seconds_operator'])} s)"]
+    lines.append(f"  {'since kill':>10}  {'stage':>6}  event")
+    for t in data["timeline"]:
+        stage = "" if t["stage_s"] is None else f"{t['stage_s']:+.1f}s"
+        lines.append(f"  {t['offset_s']:>9.1f}s  {stage:>6}  {t['event']}")
+    lines.append("  (operator times are whole seconds; trainer and demo times are exact)")
+    goodput = data["goodput"]
+    lines += ["", "Goodput ledger"]
+    if goodput is None:
+        lines.append("  status.goodput is not set")
+    else:
+        ratio = "-" if goodput["ratio"] is None else f"{goodput['ratio']:.1%}"
+        wall = goodput["wall_seconds"]
+        lines.append(f"  goodput {ratio}: {goodput['productive_seconds']:.1f} s productive of {wall:.1f} s wall")
+        for cause, seconds in goodput["badput_seconds"].items():
+            share = f"{seconds / wall:6.1%}" if wall else ""
+            lines.append(f"  badput {cause:<24} {seconds:7.1f} s  {share}")
+        verdict = "adds up" if goodput["adds_up"] else "DOES NOT add up"
+        lines.append(
+            f"  productive + badput = {goodput['parts_seconds']:.1f} s vs wall {wall:.1f} s: {verdict}"
+            f" (within {LEDGER_TOLERANCE:.0%})"
+        )
+    return "\n".join(lines)
+
+
+# --- the run -------------------------------------------------------------------------------------------
+
+
+def committed_steps(gcs: Any, run_dir: str, known: list[int]) -> list[int]:
+    """Every committed step in the bucket now (Orbax keeps the latest few): new ones are checked for
+    their commit marker, known ones are not asked again."""
+    bucket_name, prefix = split_gs_path(run_dir)
+    checkpoints = f"{prefix}/{contract.CHECKPOINTS_DIR}/"
+    listing = gcs.list_blobs(bucket_name, prefix=checkpoints, delimiter="/")
+    for _ in listing.pages:
+        pass
+    steps = [contract.step_of(p) for p in listing.prefixes]
+    bucket = gcs.bucket(bucket_name)
+    return [
+        s
+        for s in steps
+        if s is not None and (s in known or bucket.blob(f"{checkpoints}{s}/{contract.COMMIT_MARKER}").exists())
+    ]
 
 
 def kill_one_slice_worker(core: client.CoreV1Api, state_dir: Path, js_name: str) -> str:
@@ -87,72 +437,121 @@ def kill_one_slice_worker(core: client.CoreV1Api, state_dir: Path, js_name: str)
     return str(running[0])
 
 
-def report(tj: dict[str, Any], timeline: Timeline) -> dict[str, Any]:
-    status = tj["status"]
-    steps = [s for _, s in timeline.committed_steps]
-    intervals = [b - a for a, b in itertools.pairwise(steps) if b > a]
-    failure = status.get("lastFailure") or {}
-    resumed = failure.get("resumeStep")
-    return {
-        "phase": status.get("phase"),
-        "final_step": status.get("step"),
-        "saves_observed": len(steps),
-        "checkpoint_interval_steps_p50": statistics.median(intervals) if intervals else None,
-        "restarts": status.get("restarts"),
-        "failure": {"kind": failure.get("kind"), "reason": failure.get("reason"), "slice": failure.get("slice")},
-        "reported_step_at_kill": timeline.step_at_kill,
-        "committed_step_at_kill": timeline.committed_at_kill,
-        "resumed_from_step": resumed,
-        "steps_lost": status.get("lostSteps"),
-        "recovery_seconds_operator": failure.get("recoverySeconds"),
-        "recovery_seconds_observed": round(timeline.first_resumed_time - timeline.kill_time, 1)
-        if timeline.first_resumed_time and timeline.kill_time
-        else None,
-    }
+class LiveView:
+    """rich's live table on a terminal; plain progress lines (on change, or every few seconds) otherwise."""
+
+    def __init__(self) -> None:
+        self.tty = sys.stdout.isatty()
+        self._live: Any = None
+        self._last_key: tuple[Any, ...] | None = None
+        self._last_event = ""
+        self._last_print = float("-inf")
+
+    def __enter__(self) -> LiveView:
+        if self.tty:
+            from rich.live import Live
+
+            self._live = Live(refresh_per_second=4)
+            self._live.__enter__()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._live is not None:
+            self._live.__exit__(*exc)
+
+    def say(self, text: str) -> None:
+        if self._live is not None:
+            self._live.console.print(text)
+        else:
+            print(text, flush=True)
+
+    def update(self, s: Snapshot, name: str) -> None:
+        if self._live is not None:
+            from rich.table import Table
+
+            table = Table(title=f"TrainingJob {NAMESPACE}/{name}  ({s.elapsed:.0f} s)", show_header=False)
+            table.add_column(style="bold", no_wrap=True)
+            table.add_column(overflow="fold")
+            for key, value in view_rows(s):
+                table.add_row(key, value)
+            self._live.update(table)
+            return
+        state = (s.phase, s.stage, s.attempt, s.restarts, s.lost_steps)
+        now = time.monotonic()
+        if state != self._last_key or now - self._last_print >= PLAIN_LINE_EVERY_S:
+            print(progress_line(s), flush=True)
+            self._last_key, self._last_print = state, now
+        if s.event != self._last_event:
+            print(f"{s.elapsed:4.0f}s {s.event}", flush=True)
+            self._last_event = s.event
 
 
 def run_demo(state_dir: Path) -> int:
-    console = Console()
     started_here = read_state(state_dir) is None
     cluster = DevCluster(state_dir).start() if started_here else None
     kubeconfig = Path(read_state(state_dir)["kubeconfig"])  # type: ignore[index]
     try:
-        console.print("[bold]devcluster up[/]; installing the operator with Helm ...")
+        print("devcluster up; installing the operator with Helm ...", flush=True)
         helm_install_operator(kubeconfig)
         api = config.new_client_from_config(str(kubeconfig))
         custom = client.CustomObjectsApi(api)
         manifest = yaml.safe_load(DEMO_MANIFEST.read_text())
         name = manifest["metadata"]["name"]
+        args = manifest["spec"]["args"]
+        total_steps = int(args[args.index("--steps") + 1])
+        kill_at_step = int(total_steps * KILL_AFTER_FRACTION)
+        env = manifest["spec"].setdefault("env", [])
+        env.append({"name": "TPUJOB_PROGRESS_INTERVAL_SECONDS", "value": PROGRESS_INTERVAL_SECONDS})
         os.environ.update(_gcs_env(state_dir))
         gcs = make_client()
         run_dir = f"gs://{BUCKET}/runs/{NAMESPACE}/{name}"
         _delete_previous(custom, gcs, name, run_dir)
         custom.create_namespaced_custom_object("tpujob.dev", "v1alpha1", NAMESPACE, "trainingjobs", manifest)
-        timeline = Timeline()
+        print(f"applied {DEMO_MANIFEST.relative_to(REPO_ROOT)} ({total_steps} steps, 2 slices x 2 hosts)", flush=True)
+        seen = Seen()
         start = time.monotonic()
+        commit_times: list[float] = []
+        kill_due: float | None = None
         tj: Any = {}
-        with Live(console=console, refresh_per_second=4) as live:
+        with LiveView() as live:
             while time.monotonic() - start < DEMO_TIMEOUT_S:
                 tj = custom.get_namespaced_custom_object("tpujob.dev", "v1alpha1", NAMESPACE, "trainingjobs", name)
                 status = tj.get("status") or {}
-                timeline.saw_commit(latest_committed_step(gcs, run_dir))
-                live.update(view(tj, timeline, time.monotonic() - start))
+                if seen.saw_commits(committed_steps(gcs, run_dir, seen.committed)):
+                    commit_times.append(time.monotonic())
+                progress = read_progress(gcs, run_dir)  # the trainer's own record, not the status
+                if progress is not None and progress.attempt == 0:
+                    seen.trainer_last_step_attempt0 = progress.step
+                if seen.resumed is None and progress is not None and progress.attempt >= 1 and progress.first_step_at:
+                    seen.resumed = progress
+                live.update(snapshot(tj, seen, time.monotonic() - start, total_steps, kill_at_step), name)
                 if status.get("phase") in ("Succeeded", "Failed"):
                     break
-                committed = timeline.committed_steps[-1][1] if timeline.committed_steps else None
-                if timeline.kill_time is None and committed is not None and status.get("phase") == "Running":
-                    timeline.committed_at_kill, timeline.step_at_kill = committed, status.get("step")
-                    timeline.killed_pod = kill_one_slice_worker(client.CoreV1Api(api), state_dir, status["jobSetName"])
-                    timeline.kill_time = time.monotonic()
-                if timeline.kill_time and not timeline.first_resumed_time:
-                    progress = read_progress(gcs, run_dir)  # the trainer's own record, not the status
-                    if progress and progress.attempt >= 1 and progress.step > (progress.resumed_from_step or 0):
-                        timeline.first_resumed_time = time.monotonic()
+                if (
+                    kill_due is None
+                    and seen.kill_time is None
+                    and seen.advances >= KILL_AFTER_ADVANCES
+                    and seen.committed[-1] >= kill_at_step
+                ):
+                    # Half a (seconds) commit interval after a commit: the middle of an interval, not its start.
+                    gaps = [b - a for a, b in itertools.pairwise(commit_times)]
+                    kill_due = time.monotonic() + (statistics.median(gaps) / 2 if gaps else 0.0)
+                due = kill_due is not None and seen.kill_time is None and time.monotonic() >= kill_due
+                if due and status.get("phase") == "Running" and progress is not None and progress.attempt == 0:
+                    seen.committed_at_kill = max(seen.committed)
+                    seen.trainer_step_before_kill = progress.step
+                    seen.killed_pod = kill_one_slice_worker(client.CoreV1Api(api), state_dir, status["jobSetName"])
+                    seen.kill_time = datetime.now(UTC)
+                    live.say(f"SIGKILL {seen.killed_pod} (trainer at step {progress.step})")
                 time.sleep(0.3)
-        result = report(tj, timeline)
-        console.print_json(data=result)
-        ok = result["phase"] == "Succeeded" and result["restarts"] == 1
-        console.print("[bold green]demo passed[/]" if ok else "[bold red]demo failed[/]")
+        final = read_progress(gcs, run_dir)
+        if final is not None and final.attempt == 1:
+            seen.resumed = final  # the start-up timestamps of attempt 1 are kept in every record of it
+        data = report_data(tj.get("status") or {}, seen, name)
+        (state_dir / "demo-report.json").write_text(json.dumps(data, indent=2))
+        print("\n" + format_report(data))
+        ok = passed(data)
+        print(f"\ndemo {'passed' if ok else 'FAILED'} (JSON: {state_dir / 'demo-report.json'})")
         return 0 if ok else 1
     finally:
         if cluster is not None:
