@@ -13,5 +13,5 @@ RUN pip install --no-cache-dir /app/contract /app/operator \
     && useradd --uid 10001 --no-create-home --shell /usr/sbin/nologin tpujob
 
 USER 10001
-EXPOSE 8080
+EXPOSE 8080 8081
 ENTRYPOINT ["python", "-m", "tpujob_operator"]

@@ -19,7 +19,8 @@ def helm_install_operator(kubeconfig: Path) -> None:
         [str(tools_dir() / "helm"), "upgrade", "--install", "tpujob", str(REPO_ROOT / "charts" / "tpujob"),
          "--namespace", OPERATOR_NAMESPACE, "--create-namespace", "--kubeconfig", str(kubeconfig),
          "--set", "image.repository=tpujob-operator", "--set", "image.tag=dev",
-         "--set", f"livenessPort={free_port()}", "--wait", "--timeout", "3m"],
+         "--set", f"livenessPort={free_port()}", "--set", f"metrics.port={free_port()}",
+         "--wait", "--timeout", "3m"],
         check=False, capture_output=True, text=True,
     )  # fmt: skip
     if result.returncode != 0:
