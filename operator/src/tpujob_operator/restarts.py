@@ -10,10 +10,17 @@ from tpujob_contract import ExitCode
 from .api import FailureKind, RestartSpec
 from .facts import JobSetFacts, PodFacts
 
-# The trainer's exit codes that name a cause (the contract; trainer_image/README.md, "Exit codes").
-SIGTERM_EXIT_CODE = ExitCode.PREEMPTED  # after SIGTERM (and after saving the current step, if configured)
-STORAGE_EXIT_CODE = ExitCode.STORAGE
-INCOMPATIBLE_EXIT_CODE = ExitCode.CHECKPOINT_INCOMPATIBLE
+# The trainer's exit codes that name a cause (the contract; trainer_image/README.md, "Exit codes"):
+# exit code -> (kind, reason, what the pod did).
+_NAMED_EXITS: dict[int, tuple[FailureKind, str, str]] = {
+    ExitCode.PREEMPTED: ("Preemption", "Terminated", "exited 143 after SIGTERM"),
+    ExitCode.STORAGE: ("StorageUnavailable", "StorageUnreachable", "could not reach checkpoint storage (exit 3)"),
+    ExitCode.CHECKPOINT_INCOMPATIBLE: (
+        "CheckpointIncompatible",
+        "CheckpointIncompatible",
+        "could restore no committed checkpoint (exit 4); the model no longer matches the run directory's checkpoints",
+    ),
+}
 # Kinds that no restart can fix: the job fails at once, without spending the budget.
 TERMINAL_KINDS: frozenset[FailureKind] = frozenset({"CheckpointIncompatible"})
 # Kinds that are not the job's fault and never count against maxRestarts.
@@ -51,31 +58,9 @@ def classify_pod(pod: PodFacts) -> Failure | None:
         return Failure(
             "NodeLost", pod.reason or "NodeLost", f"pod {pod.name}: {pod.reason}", pod.slice, pod.finished_at
         )
-    if pod.exit_code == SIGTERM_EXIT_CODE:
-        return Failure(
-            "Preemption",
-            "Terminated",
-            f"pod {pod.name} exited {SIGTERM_EXIT_CODE} after SIGTERM",
-            pod.slice,
-            pod.finished_at,
-        )
-    if pod.exit_code == STORAGE_EXIT_CODE:
-        return Failure(
-            "StorageUnavailable",
-            "StorageUnreachable",
-            f"pod {pod.name} could not reach checkpoint storage (exit {STORAGE_EXIT_CODE})",
-            pod.slice,
-            pod.finished_at,
-        )
-    if pod.exit_code == INCOMPATIBLE_EXIT_CODE:
-        return Failure(
-            "CheckpointIncompatible",
-            "CheckpointIncompatible",
-            f"pod {pod.name} could restore no committed checkpoint (exit {INCOMPATIBLE_EXIT_CODE}); "
-            "the model no longer matches the run directory's checkpoints",
-            pod.slice,
-            pod.finished_at,
-        )
+    if pod.exit_code in _NAMED_EXITS:
+        kind, reason, what = _NAMED_EXITS[pod.exit_code]
+        return Failure(kind, reason, f"pod {pod.name} {what}", pod.slice, pod.finished_at)
     if pod.exit_code is not None and pod.exit_code != 0:
         reason = pod.reason if pod.reason and pod.reason != "Error" else f"ExitCode{pod.exit_code}"
         return Failure(
