@@ -103,6 +103,23 @@ class Config:
     progress_interval_seconds: float
     storage_timeout_seconds: float  # one storage probe
     storage_wait_seconds: float  # how long unreachable storage is waited out before exit 3
+    compilation_cache_dir: str | None = None  # persistent JAX compilation cache; None = off
+
+
+COMPILATION_CACHE_ENV = "TPUJOB_COMPILATION_CACHE_DIR"
+JAX_COMPILATION_CACHE_ENV = "JAX_COMPILATION_CACHE_DIR"
+
+
+def compilation_cache_dir(env: Mapping[str, str], run_dir: str | None) -> str | None:
+    """TPUJOB_COMPILATION_CACHE_DIR if set ("" or "off": no cache), else JAX_COMPILATION_CACHE_DIR
+    (a cache the user configured for JAX itself), else <run dir>/jax-cache; None = no cache."""
+    if COMPILATION_CACHE_ENV in env:
+        raw = env[COMPILATION_CACHE_ENV].strip()
+        return None if raw.lower() in ("", "off") else raw.rstrip("/")
+    jax_dir = env.get(JAX_COMPILATION_CACHE_ENV, "").strip()
+    if jax_dir:
+        return jax_dir.rstrip("/")
+    return f"{run_dir}/jax-cache" if run_dir else None
 
 
 def _int(env: Mapping[str, str], name: str, default: int) -> int:
@@ -246,6 +263,7 @@ def parse_config(argv: Sequence[str], env: Mapping[str, str]) -> Config:
         progress_interval_seconds=_float(env, "TPUJOB_PROGRESS_INTERVAL_SECONDS", 5.0),
         storage_timeout_seconds=_storage_seconds(env, "TPUJOB_STORAGE_TIMEOUT_SECONDS", 30.0),
         storage_wait_seconds=_storage_seconds(env, "TPUJOB_STORAGE_WAIT_SECONDS", 600.0),
+        compilation_cache_dir=compilation_cache_dir(env, run_dir),
     )
 
 

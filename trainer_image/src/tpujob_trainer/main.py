@@ -24,7 +24,7 @@ import orbax.checkpoint as ocp
 import tpujob_contract as contract
 from tpujob_contract import ExitCode
 
-from tpujob_trainer import checkpointing, progress
+from tpujob_trainer import checkpointing, compile_cache, progress
 from tpujob_trainer.checkpointing import CheckpointIncompatible, CheckpointManager, PreemptionNotice, StorageError
 from tpujob_trainer.config import Config, ConfigError, parse_config
 from tpujob_trainer.data import batch_for_step
@@ -304,6 +304,7 @@ def _train(
 
 
 def run(cfg: Config, process_started_at: str | None = None) -> ExitCode:
+    cache = compile_cache.install(cfg.compilation_cache_dir, cfg.storage_timeout_seconds)  # before any compile
     distributed = _init_distributed(cfg)
     notice = PreemptionNotice(distributed)
     tc = cfg.train
@@ -317,6 +318,8 @@ def run(cfg: Config, process_started_at: str | None = None) -> ExitCode:
         attempt=cfg.attempt, uid=cfg.job_uid, process_started_at=process_started_at or contract.now_rfc3339()
     )
     mngr = _open_manager(cfg, notice, status)
+    if cache:
+        cache.prefetch()  # list the cache while the restore runs; storage has answered its probe by now
     writer = None
     if mngr and cfg.run_dir and jax.process_index() == 0:
         checkpoint_dir = str(mngr.directory)
@@ -337,6 +340,9 @@ def run(cfg: Config, process_started_at: str | None = None) -> ExitCode:
             _close(mngr, writer)
         if writer:
             writer.close(status.record(status.outcome))
+        if cache:
+            cache.flush(cfg.storage_timeout_seconds)
+            log.info("compile cache: %s", cache.summary())
     if preempted:
         return ExitCode.PREEMPTED
     log.info("done: step %d", status.step)

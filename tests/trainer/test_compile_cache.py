@@ -1,0 +1,289 @@
+"""The persistent compilation cache in the run directory (trainer_image/.../compile_cache.py).
+
+Real processes on the GCS emulator: a restarted attempt of the same job reads what the first
+attempt wrote and compiles nothing; the trained parameters are the same bit for bit with and
+without the cache; of two processes (hosts) only process 0 writes; damaged entries and unusable
+cache storage only cost a recompile. In-process: the storage deadline, atomic local writes, the
+entry check and the configuration.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+import signal
+import threading
+import time
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+import pytest
+from tpujob_trainer import compile_cache
+from tpujob_trainer.compile_cache import GuardedCache, frame, unframe
+from tpujob_trainer.config import compilation_cache_dir, parse_config
+
+from tests.trainer.procs import BUCKET, Job
+
+STEPS = 30
+ARGS = ["--steps", str(STEPS), "--batch-size", "8", "--seq-len", "32"]
+
+
+def _without_jax_cache(job: Job) -> None:
+    """The session shares a local JAX cache (conftest); these tests exercise the run directory's."""
+    job.base_env = {k: v for k, v in job.base_env.items() if k != "JAX_COMPILATION_CACHE_DIR"}
+
+
+def _cache_objects(job: Job) -> list[str]:
+    return job.gcs.list_objects(BUCKET, f"{job.prefix}/jax-cache/")
+
+
+def _compile_seconds(record: dict[str, Any]) -> float:
+    """Restore end (or storage ready, on a fresh start) -> first step: compilation, mostly."""
+    start = record["restore_finished_at"] or record["storage_ready_at"]
+    first = datetime.fromisoformat(record["first_step_at"].replace("Z", "+00:00"))
+    return (first - datetime.fromisoformat(start.replace("Z", "+00:00"))).total_seconds()
+
+
+def _kill_after_a_committed_step(job: Job, env: dict[str, str], processes: int = 1) -> None:
+    cached = env.get("TPUJOB_COMPILATION_CACHE_DIR") != "off"
+    attempt = job.start(ARGS, env, processes=processes)
+    attempt.wait_until(
+        lambda: (
+            attempt.last_step() >= 8
+            and any(s >= 4 for s in job.committed_steps())
+            and (not cached or any("/jit_train_step-" in o for o in _cache_objects(job)))
+        ),
+        timeout=240,
+    )
+    attempt.signal(signal.SIGKILL)
+    attempt.wait(30)
+
+
+def _train_step_keys(out: str, what: str) -> set[str]:
+    return set(re.findall(rf"compile cache: {what} (jit_train_step-\w+)", out))
+
+
+@pytest.mark.trainer
+@pytest.mark.timeout(600)
+def test_restart_reads_the_cache_and_trains_identically(job: Job, tmp_path: Path) -> None:
+    _without_jax_cache(job)
+    verbose = {"JAX_LOG_COMPILES": "1"}  # JAX itself logs "Persistent compilation cache hit for ..."
+
+    # With the cache: attempt 0 compiles and writes; attempt 1 (a new process) reads.
+    _kill_after_a_committed_step(job, verbose)
+    written = set(_cache_objects(job))
+    assert any(f"{job.prefix}/jax-cache/jit_train_step-" in o for o in written), written
+    assert _train_step_keys(job.attempts[0].output(), "wrote")
+    resumed = job.start(ARGS, verbose)
+    assert resumed.wait(300) == [0], resumed.output()[-4000:]
+    out = resumed.output()
+    assert _train_step_keys(out, "hit") == _train_step_keys(job.attempts[0].output(), "wrote"), out[-4000:]
+    assert "Persistent compilation cache hit for 'jit_train_step'" in out
+    assert not _train_step_keys(out, "miss") and "compile cache: wrote" not in out
+    assert " is damaged" not in out and "without the cache" not in out
+    assert set(_cache_objects(job)) == written  # nothing new to write: every compile was a hit
+    cached = job.progress()
+    assert cached["state"] == "succeeded" and cached["restored_step"] is not None
+
+    # Without the cache: the same kill and restart, compiled both times.
+    plain = Job(gcs=job.gcs, base_env=job.base_env, log_dir=tmp_path / "plain", name=f"{job.name}-plain")
+    plain.log_dir.mkdir()
+    try:
+        off = {**verbose, "TPUJOB_COMPILATION_CACHE_DIR": "off"}
+        _kill_after_a_committed_step(plain, off)
+        again = plain.start(ARGS, off)
+        assert again.wait(300) == [0], again.output()[-4000:]
+        assert "compile cache: off" in again.output()
+        assert "Persistent compilation cache hit" not in again.output()
+        assert _cache_objects(plain) == []
+        uncached = plain.progress()
+        # The same parameters, optimizer state, step and data position, bit for bit.
+        assert plain.digest(STEPS) == job.digest(STEPS)
+    finally:
+        plain.kill_all()
+
+    cached_s, uncached_s = _compile_seconds(cached), _compile_seconds(uncached)
+    print(f"restore end -> first step: cached {cached_s:.2f}s, uncached {uncached_s:.2f}s")
+    assert cached_s < uncached_s, (cached_s, uncached_s)
+
+
+@pytest.mark.trainer
+@pytest.mark.timeout(500)
+def test_two_hosts_one_writer_and_process_0_reads_across_attempts(job: Job) -> None:
+    """Two processes of one attempt (two hosts): only JAX process 0 writes. On TPU every host
+    reads process 0's entries (the slice's topology is in the key); on this CPU stand-in XLA's
+    topology fingerprint differs per process, so process 1 looks up a key of its own, misses and
+    compiles (and, never being a writer, leaves nothing behind)."""
+    _without_jax_cache(job)
+    _kill_after_a_committed_step(job, {}, processes=2)
+    first = job.attempts[0]
+    assert _train_step_keys(first.output(0), "wrote")
+    assert "compile cache: wrote" not in first.output(1)
+    written = {o for o in _cache_objects(job) if "/jit_train_step-" in o}
+
+    resumed = job.start(ARGS, {}, processes=2)
+    assert resumed.wait(300) == [0, 0], resumed.output(0)[-4000:]
+    assert _train_step_keys(resumed.output(0), "hit") == _train_step_keys(first.output(0), "wrote")
+    own_key = _train_step_keys(resumed.output(1), "miss")
+    assert own_key == _train_step_keys(first.output(1), "miss")
+    assert not own_key & _train_step_keys(first.output(0), "wrote")
+    assert "compile cache: wrote" not in resumed.output(1)
+    assert {o for o in _cache_objects(job) if "/jit_train_step-" in o} == written
+    assert job.progress()["state"] == "succeeded"
+
+
+@pytest.mark.trainer
+@pytest.mark.timeout(400)
+def test_damaged_entries_cost_a_recompile_and_are_replaced(job: Job) -> None:
+    _without_jax_cache(job)
+    args = ["--steps", "6", "--batch-size", "4", "--seq-len", "32"]
+    assert job.start(args).wait(200) == [0]
+    objects = _cache_objects(job)
+    step_entry = next(o for o in objects if "/jit_train_step-" in o)
+    whole = job.gcs.download(BUCKET, step_entry)
+    job.gcs.upload(BUCKET, step_entry, whole[: len(whole) // 2])  # a truncated upload
+    for name in objects:
+        if name != step_entry:  # the others: garbage of the same length
+            job.gcs.upload(BUCKET, name, bytes(len(job.gcs.download(BUCKET, name))))
+
+    fresh = {"TPUJOB_RESUME_STEP": "fresh"}  # start over: compile init and the step again
+    damaged = job.start(args, fresh)
+    assert damaged.wait(200) == [0], damaged.output()[-4000:]
+    out = damaged.output()
+    assert re.search(r"compile cache: entry jit_train_step-\w+ is damaged", out), out[-4000:]
+    assert "compile cache: wrote jit_train_step" in out  # the fresh compile replaced it
+    assert job.gcs.download(BUCKET, step_entry) != whole[: len(whole) // 2]
+
+    healed = job.start(args, fresh)
+    assert healed.wait(200) == [0], healed.output()[-4000:]
+    assert "compile cache: hit jit_train_step" in healed.output() and " is damaged" not in healed.output()
+
+
+@pytest.mark.trainer
+@pytest.mark.timeout(300)
+def test_unusable_cache_storage_only_costs_a_recompile(job: Job) -> None:
+    _without_jax_cache(job)
+    args = ["--steps", "4", "--batch-size", "4", "--seq-len", "32"]
+    attempt = job.start(args, {"TPUJOB_COMPILATION_CACHE_DIR": "gs://no-such-bucket-tpujob/cache"})
+    assert attempt.wait(200) == [0], attempt.output()[-4000:]
+    out = attempt.output()
+    assert "compiling without the cache for the rest of this process" in out
+    assert job.progress()["state"] == "succeeded" and job.committed_steps()[-1] == 4
+
+
+# -- in-process -------------------------------------------------------------------------------------
+
+
+def test_cache_directory_configuration() -> None:
+    run = "gs://b/ns/job"
+    assert compilation_cache_dir({}, run) == "gs://b/ns/job/jax-cache"
+    assert compilation_cache_dir({}, None) is None
+    assert compilation_cache_dir({"TPUJOB_COMPILATION_CACHE_DIR": "off"}, run) is None
+    assert compilation_cache_dir({"TPUJOB_COMPILATION_CACHE_DIR": " OFF "}, run) is None
+    assert compilation_cache_dir({"TPUJOB_COMPILATION_CACHE_DIR": ""}, run) is None
+    assert compilation_cache_dir({"TPUJOB_COMPILATION_CACHE_DIR": "gs://c/x/"}, run) == "gs://c/x"
+    assert compilation_cache_dir({"JAX_COMPILATION_CACHE_DIR": "/var/cache/jax"}, run) == "/var/cache/jax"
+    both = {"JAX_COMPILATION_CACHE_DIR": "/var/cache/jax", "TPUJOB_COMPILATION_CACHE_DIR": "off"}
+    assert compilation_cache_dir(both, run) is None
+    assert parse_config([], {"TPUJOB_RUN_DIR": run + "/"}).compilation_cache_dir == "gs://b/ns/job/jax-cache"
+
+
+def test_entries_are_checked_before_jax_sees_them() -> None:
+    payload = b"\x78\x9c" + bytes(range(256)) * 10
+    blob = frame(payload)
+    assert unframe(blob) == payload
+    assert unframe(blob[:-1]) is None  # truncated
+    assert unframe(blob[: len(blob) // 2]) is None
+    assert unframe(blob[:-1] + bytes([blob[-1] ^ 1])) is None  # one bit flipped
+    assert unframe(payload) is None  # an entry JAX's own cache wrote (no header)
+    assert unframe(b"") is None
+    assert unframe(frame(b"")) == b""
+
+
+def test_local_writes_are_atomic_and_listed(tmp_path: Path) -> None:
+    directory = str(tmp_path / "cache")
+    writer = GuardedCache(directory, timeout_s=10)
+    assert writer.get("jit_f-" + "0" * 64) is None  # a directory that does not exist yet: a miss
+    values = {f"jit_f{i}-{hashlib.sha256(bytes([i])).hexdigest()}": bytes([i]) * 10000 for i in range(5)}
+    for key, value in values.items():
+        writer.put(key, value)
+        writer.put(key, b"never written: the key is already being written")
+    writer.flush(10)
+    assert writer.stats.writes == 5
+    assert sorted(p.name for p in Path(directory).iterdir()) == sorted(k + ".xc" for k in values)  # no temporaries
+    reader = GuardedCache(directory, timeout_s=10)
+    assert all(reader.get(k) == v for k, v in values.items())
+    assert (reader.stats.hits, reader.stats.misses) == (5, 0)
+
+
+def test_concurrent_writers_of_one_key_leave_a_whole_entry(tmp_path: Path) -> None:
+    directory, key = str(tmp_path / "cache"), "jit_g-" + "1" * 64
+    caches = [GuardedCache(directory, timeout_s=10) for _ in range(4)]
+    start = threading.Barrier(len(caches))
+
+    def write(i: int) -> None:
+        start.wait()
+        caches[i].put(key, bytes([i]) * 3_000_000)
+
+    threads = [threading.Thread(target=write, args=(i,)) for i in range(len(caches))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for cache in caches:
+        cache.flush(30)
+    value = GuardedCache(directory, timeout_s=10).get(key)
+    assert value is not None and len(set(value)) == 1 and len(value) == 3_000_000  # one writer's, whole
+    assert [p.name for p in Path(directory).iterdir()] == [key + ".xc"]
+
+
+def test_hung_storage_never_holds_a_compile(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    hang = threading.Event()
+
+    def hung(*_: Any, **__: Any) -> Any:
+        hang.wait(60)
+        raise OSError("storage came back too late")
+
+    try:
+        listing = GuardedCache(str(tmp_path / "a"), timeout_s=0.5)
+        monkeypatch.setattr(listing, "_list_keys", hung)
+        started = time.monotonic()
+        assert listing.get("jit_h-" + "2" * 64) is None
+        assert listing.get("jit_h-" + "3" * 64) is None  # off for the rest of the process: no new wait
+        assert time.monotonic() - started < 5
+        assert "off (listing" in listing.summary()
+
+        directory = str(tmp_path / "b")
+        reading = GuardedCache(directory, timeout_s=0.5)
+        key = "jit_r-" + "4" * 64
+        Path(directory).mkdir()
+        (Path(directory) / f"{key}.xc").write_bytes(frame(b"x"))
+        monkeypatch.setattr(reading, "_entry", lambda _key: type("Hung", (), {"read_bytes": hung})())
+        started = time.monotonic()
+        assert reading.get(key) is None and time.monotonic() - started < 5
+        assert reading.stats.errors == 1
+
+        writing = GuardedCache(str(tmp_path / "c"), timeout_s=0.5)
+        monkeypatch.setattr(writing, "_write", hung)
+        started = time.monotonic()
+        writing.put("jit_w-" + "5" * 64, b"y")  # returns at once: the upload is in the background
+        assert time.monotonic() - started < 0.5
+        writing.flush(5)
+        assert "off (writing" in writing.summary()
+        writing.put("jit_w-" + "6" * 64, b"z")  # off: not even queued
+        assert writing.stats.writes == 0
+    finally:
+        hang.set()
+
+
+def test_install_hooks_into_jax(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    from jax._src import cache_key
+    from jax._src import compilation_cache as jax_cc
+
+    monkeypatch.setattr(cache_key, "custom_hook", cache_key.custom_hook)
+    monkeypatch.setattr(jax_cc, "_cache", None)
+    monkeypatch.setattr(jax_cc, "_cache_initialized", False)
+    cache = compile_cache.install(str(tmp_path / "cache"), timeout_s=5, env={})
+    assert cache is not None and jax_cc._cache is cache and jax_cc._cache_initialized
+    assert cache_key.custom_hook() != ""  # on CPU the key also names the host CPU

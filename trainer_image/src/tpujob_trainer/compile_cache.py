@@ -1,0 +1,314 @@
+"""A persistent JAX compilation cache in the run directory, so a restarted attempt does not compile again.
+
+Where (config.compilation_cache_dir): `$TPUJOB_COMPILATION_CACHE_DIR` if set (empty or `off`
+turns the cache off), else `$JAX_COMPILATION_CACHE_DIR` (a cache the user configured for JAX
+itself), else `$TPUJOB_RUN_DIR/jax-cache`; gs:// or a local path.
+
+Why every attempt and every host may share one directory (JAX 0.10.2, jax/_src/cache_key.py): an
+entry's key is a sha256 of the computation (StableHLO without debug info), the jaxlib version,
+the platform and its version, the XLA flags, the compile options (including the global device
+assignment) and the accelerator topology's fingerprint. The processes of one attempt compile the
+same SPMD program with the same global device assignment, so they look up the same key; a new
+attempt of the same job on other hosts of the same slice shape computes it again; anything that
+would change the executable (model, batch, mesh, jax version, flags) changes the key. Only JAX
+process 0 writes entries (jax/_src/compiler.py, `_cache_write`), so one attempt has one writer.
+On TPU the topology is the slice's, the same on every host, so every host reads process 0's
+entries (JAX's documented multi-host setup). On the CPU stand-in (tests, devcluster) XLA's CPU
+topology fingerprint differs per process, so there only process 0 hits and the others compile;
+and since an XLA:CPU executable is native code for the host CPU, which the key does not cover,
+this module adds the host CPU's model and feature flags to the key on CPU (JAX's `custom_hook`).
+
+What this module adds to JAX's own file cache (jax/_src/lru_cache.py), which it replaces through
+the one hook JAX has for it (`jax._src.compilation_cache._cache`):
+- every storage call runs in a daemon thread with a deadline (TPUJOB_STORAGE_TIMEOUT_SECONDS):
+  GCS clients retry an unreachable endpoint for about 30 s and a hung server forever, and a
+  compile must never wait on that. The first storage error or timeout turns the cache off for the
+  rest of the process: an outage costs one recompile, never a stop;
+- one listing of the directory (started as soon as storage is known to answer, in parallel with
+  the restore) answers misses, instead of one storage round trip per compiled function;
+- an entry is `MAGIC + sha256(payload) + payload` and is checked before JAX sees it: a truncated,
+  corrupt or foreign object is a miss (logged), and the fresh compile's entry replaces it;
+- writes are whole objects: on gs:// an object upload is atomic; on a filesystem the entry is
+  written to a unique temporary name and renamed, so concurrent writers (two attempts that
+  overlap while the old pods terminate) and a writer killed mid-way never leave a partial entry;
+- writes happen in a background thread, after the compile, so the first step does not wait for
+  the upload (an entry lost to a kill is written again by the next attempt).
+
+The executable is the same binary whether it was compiled or read: training is bit-identical
+with and without the cache (tests/trainer/test_compile_cache.py checks the parameters).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import hashlib
+import logging
+import os
+import platform
+import queue
+import threading
+import time
+import uuid
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import TypeVar
+
+import jax
+from etils import epath
+from jax._src import cache_key as jax_cache_key
+from jax._src import compilation_cache as jax_cc
+from jax._src.compilation_cache_interface import CacheInterface
+
+log = logging.getLogger("tpujob_trainer")
+
+MIN_COMPILE_TIME_ENV = "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"
+SUFFIX = ".xc"
+MAGIC = b"tpujob-xc1\n"
+_DIGEST = 32
+T = TypeVar("T")
+
+
+def frame(payload: bytes) -> bytes:
+    return MAGIC + hashlib.sha256(payload).digest() + payload
+
+
+def unframe(blob: bytes) -> bytes | None:
+    """The payload of a whole, intact entry; None for anything else (truncated, corrupt, foreign)."""
+    head = len(MAGIC) + _DIGEST
+    if len(blob) < head or not blob.startswith(MAGIC):
+        return None
+    payload = blob[head:]
+    return payload if hashlib.sha256(payload).digest() == blob[len(MAGIC) : head] else None
+
+
+class StorageTimeout(OSError):
+    pass
+
+
+def _bounded(fn: Callable[[], T], timeout_s: float, what: str) -> T:
+    """fn() in a daemon thread; raises its error, or StorageTimeout after timeout_s (the thread is
+    abandoned: a hung storage call must not hold the compile, nor the process's exit)."""
+    result: list[T] = []
+    errors: list[BaseException] = []
+
+    def target() -> None:
+        try:
+            result.append(fn())
+        except BaseException as err:
+            errors.append(err)
+
+    thread = threading.Thread(target=target, name="tpujob-compile-cache-io", daemon=True)
+    thread.start()
+    thread.join(timeout_s)
+    if thread.is_alive():
+        raise StorageTimeout(f"{what} did not answer within {timeout_s:g}s")
+    if errors:
+        raise errors[0]
+    return result[0]
+
+
+@dataclasses.dataclass
+class Stats:
+    hits: int = 0
+    misses: int = 0
+    corrupt: int = 0
+    writes: int = 0
+    errors: int = 0
+
+
+class GuardedCache(CacheInterface):
+    """JAX's CacheInterface over a directory (gs:// or local) that can only ever cost a recompile."""
+
+    def __init__(self, directory: str, timeout_s: float):
+        self.directory = directory
+        self._path = epath.Path(directory)  # type: ignore[assignment]  # JAX reads it for its logs
+        self.timeout_s = timeout_s
+        self.stats = Stats()
+        self._lock = threading.Lock()
+        self._listed = threading.Event()
+        self._listing_started = False
+        self._present: set[str] = set()  # keys in storage (listed, or written by this process)
+        self._bad: set[str] = set()  # keys whose stored entry failed its check: a put replaces them
+        self._disabled: str | None = None  # why the cache is off for the rest of this process
+        self._writes: queue.Queue[tuple[str, bytes] | None] = queue.Queue()
+        self._writer: threading.Thread | None = None
+
+    # -- the directory listing ---------------------------------------------------------------------
+    def prefetch(self) -> None:
+        """List the directory in the background (call once storage answers; get() starts it otherwise)."""
+        with self._lock:
+            if self._listing_started:
+                return
+            self._listing_started = True
+        threading.Thread(target=self._list, name="tpujob-compile-cache-list", daemon=True).start()
+
+    def _list(self) -> None:
+        started = time.monotonic()
+        try:
+            keys = _bounded(self._list_keys, self.timeout_s, f"listing {self.directory}")
+        except Exception as err:
+            self._disable(f"listing failed: {type(err).__name__}: {err}")
+        else:
+            with self._lock:
+                self._present |= keys
+            log.info(
+                "compile cache: %s holds %d entries (listed in %.2fs)",
+                self.directory, len(keys), time.monotonic() - started,
+            )  # fmt: skip
+        finally:
+            self._listed.set()
+
+    def _list_keys(self) -> set[str]:
+        path = epath.Path(self.directory)
+        try:
+            names = [p.name for p in path.iterdir()]
+        except FileNotFoundError:
+            return set()
+        return {n[: -len(SUFFIX)] for n in names if n.endswith(SUFFIX)}
+
+    def _disable(self, why: str) -> None:
+        with self._lock:
+            if self._disabled is not None:
+                return
+            self._disabled = why
+            self.stats.errors += 1
+        log.warning("compile cache: %s; compiling without the cache for the rest of this process", why)
+
+    # -- CacheInterface ----------------------------------------------------------------------------
+    def get(self, key: str) -> bytes | None:
+        self.prefetch()
+        if not self._listed.wait(self.timeout_s):
+            self._disable(f"listing {self.directory} did not answer within {self.timeout_s:g}s")
+        with self._lock:
+            if self._disabled is not None:
+                return None
+            present = key in self._present and key not in self._bad
+        if not present:
+            with self._lock:
+                self.stats.misses += 1
+            log.info("compile cache: miss %s", _short(key))
+            return None
+        started = time.monotonic()
+        try:
+            blob = _bounded(self._entry(key).read_bytes, self.timeout_s, f"reading {_short(key)}")
+        except FileNotFoundError:
+            with self._lock:
+                self._present.discard(key)
+                self.stats.misses += 1
+            log.info("compile cache: miss %s (listed, then gone)", _short(key))
+            return None
+        except Exception as err:
+            self._disable(f"reading {_short(key)} failed: {type(err).__name__}: {err}")
+            return None
+        payload = unframe(blob)
+        with self._lock:
+            if payload is None:
+                self._bad.add(key)
+                self.stats.corrupt += 1
+            else:
+                self.stats.hits += 1
+        if payload is None:
+            log.warning("compile cache: entry %s is damaged (%d bytes); compiling it again", _short(key), len(blob))
+            return None
+        log.info("compile cache: hit %s (%d bytes, read in %.2fs)", _short(key), len(blob), time.monotonic() - started)
+        return payload
+
+    def put(self, key: str, value: bytes) -> None:
+        with self._lock:
+            if self._disabled is not None or (key in self._present and key not in self._bad):
+                return
+            self._present.add(key)
+            self._bad.discard(key)
+            if self._writer is None:
+                self._writer = threading.Thread(target=self._write_loop, name="tpujob-compile-cache-write", daemon=True)
+                self._writer.start()
+        self._writes.put((key, frame(value)))
+
+    # -- writes --------------------------------------------------------------------------------------
+    def _write_loop(self) -> None:
+        while (item := self._writes.get()) is not None:
+            key, blob = item
+            try:
+                if self._disabled is None:
+                    started = time.monotonic()
+                    _bounded(functools.partial(self._write, key, blob), self.timeout_s, f"writing {_short(key)}")
+                    with self._lock:
+                        self.stats.writes += 1
+                    took = time.monotonic() - started
+                    log.info("compile cache: wrote %s (%d bytes in %.2fs)", _short(key), len(blob), took)
+            except Exception as err:
+                self._disable(f"writing {_short(key)} failed: {type(err).__name__}: {err}")
+            finally:
+                self._writes.task_done()
+
+    def _write(self, key: str, blob: bytes) -> None:
+        target = self._entry(key)
+        if self.directory.startswith("gs://"):  # one object upload: whole or absent
+            target.write_bytes(blob)
+            return
+        target.parent.mkdir(parents=True, exist_ok=True)
+        temporary = target.parent / f".{target.name}.tmp-{uuid.uuid4().hex[:12]}"
+        temporary.write_bytes(blob)
+        os.replace(temporary, target)  # atomic on one filesystem: readers see no entry or a whole one
+
+    def _entry(self, key: str) -> epath.Path:
+        return epath.Path(self.directory) / f"{key}{SUFFIX}"
+
+    def flush(self, timeout_s: float) -> None:
+        """Wait (at most timeout_s) for the writes already asked for, e.g. before a clean exit."""
+        deadline = time.monotonic() + timeout_s
+        while self._writes.unfinished_tasks and time.monotonic() < deadline:
+            time.sleep(0.05)
+
+    def summary(self) -> str:
+        s = self.stats
+        state = f"off ({self._disabled})" if self._disabled else "on"
+        return f"{self.directory}: {s.hits} hits, {s.misses} misses, {s.corrupt} damaged, {s.writes} writes, {state}"
+
+
+def _short(key: str) -> str:
+    """module name and the first 12 hex digits of the hash: enough to tell entries apart in logs."""
+    name, _, digest = key.rpartition("-")
+    return f"{name}-{digest[:12]}" if name else key[:40]
+
+
+def _cpu_identity() -> str:
+    """The host CPU's model and feature flags (Linux), which an XLA:CPU executable depends on."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        return platform.machine()
+    wanted = [ln for ln in lines if ln.split(":")[0].strip() in ("model name", "flags", "Features")]
+    return hashlib.sha256("\n".join(sorted(set(wanted))).encode()).hexdigest()
+
+
+def _key_hook() -> str:
+    return _cpu_identity() if jax.default_backend() == "cpu" else ""
+
+
+def install(directory: str | None, timeout_s: float, env: Mapping[str, str] = os.environ) -> GuardedCache | None:
+    """Make JAX use the cache in `directory` (None: no persistent cache at all, JAX's own included).
+
+    Call before the first compile. Entries of every compile time are written (unless the user set
+    JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS): on a restart even a small compile costs more than
+    reading its entry, and the directory listing makes a miss free.
+    """
+    if directory is None:
+        jax.config.update("jax_enable_compilation_cache", False)  # type: ignore[no-untyped-call]
+        log.info("compile cache: off")
+        return None
+    hooks = [(jax_cc, "_cache"), (jax_cc, "_cache_initialized"), (jax_cc, "_cache_initialized_mutex")]
+    if not all(hasattr(module, name) for module, name in [*hooks, (jax_cache_key, "custom_hook")]):
+        log.warning("compile cache: this JAX (%s) has no cache hook; compiling without the cache", jax.__version__)
+        jax.config.update("jax_enable_compilation_cache", False)  # type: ignore[no-untyped-call]
+        return None
+    if MIN_COMPILE_TIME_ENV not in env:
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)  # type: ignore[no-untyped-call]
+    cache = GuardedCache(directory, timeout_s)
+    jax_cache_key.custom_hook = _key_hook  # JAX's own extension point of the key
+    with jax_cc._cache_initialized_mutex:
+        jax_cc._cache = cache
+        jax_cc._cache_initialized = True  # JAX's own initialisation (its LRUCache) never runs
+    log.info("compile cache: %s", directory)
+    return cache
