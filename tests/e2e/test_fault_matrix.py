@@ -393,8 +393,11 @@ def scenario_operator_killed_mid_restart(e2e: E2E) -> None:
     assert (status["lastFailure"]["kind"], status["lastFailure"]["reason"]) == ("ApplicationError", "ExitCode137")
     assert samples and max(len(names) for _, names in samples) == 1, [n for _, n in samples if len(n) > 1][:5]
     assert {n for _, names in samples for n in names} == {f"{name}-a0", f"{name}-a1"}, samples[-1]
-    restarting = [m for r, m in e2e.event_records(name) if r == "Restarting"]
-    assert len(restarting) == 1, restarting
+    # Events are best effort: the killed leader may have written the decision and died before posting
+    # them. Never twice, though: the standby carries the decision out, it does not take it again.
+    reasons = [r for r, _ in e2e.event_records(name)]
+    assert reasons.count("Restarting") <= 1 and reasons.count("FailureDetected") <= 1, reasons
+    assert reasons.count("Restored") == 1, reasons
     # The Deployment replaces the killed operator: a standby is there again for whatever follows.
     e2e.until(lambda: len(_operator_pods(e2e)) == 2, 180, "two operator pods again")
 
