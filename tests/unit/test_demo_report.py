@@ -126,7 +126,8 @@ failure: ApplicationError/ExitCode137 on slice 1
 killed:  demo-0-slice-1-0-x7k2p
 
 Steps lost
-  step reached at the kill (trainer's last report)     229
+  trainer's report just before the SIGKILL             228
+  step reached (lastFailure.step: its last report)     229
   committed in the bucket at the kill                  221
   resumed from (attempt 1 restored)                    221
   steps lost (status.lastFailure.lostSteps)              8
@@ -250,3 +251,20 @@ def test_event_text_follows_the_demo():
     assert demo.event_text(seen, {"lastFailure": failure}, 200) == "ApplicationError on slice 1 detected; restarting"
     failure["recoverySeconds"] = 31.2
     assert demo.event_text(seen, {"lastFailure": failure}, 200) == "resumed from step 221, recovered in 31.2 s"
+
+
+def test_the_report_is_about_the_kill_even_after_a_later_failure():
+    seen = _seen()
+    first = _status()["lastFailure"] | {"time": _z(0)}
+    seen.saw_failure(first)
+    seen.saw_failure(first | {"recoverySeconds": 31.2})  # the same failure, completed
+    later = {"time": _z(300), "kind": "ApplicationError", "slice": 0, "step": 242, "resumeStep": 241, "lostSteps": 1}
+    seen.saw_failure(later)
+    assert seen.failure == first | {"recoverySeconds": 31.2}
+    data = demo.report_data({**_status(), "lastFailure": later, "restarts": 2}, seen)
+    assert data["step_at_kill"] == 229 and not data["last_failure_is_the_kill"]
+    assert "(a later failure happened too: see status)" in demo.format_report(data)
+    assert not demo.passed(data)
+    unkilled = demo.Seen()
+    unkilled.saw_failure(first)  # a failure before any kill is not the demo's
+    assert unkilled.failure is None

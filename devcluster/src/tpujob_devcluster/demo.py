@@ -148,6 +148,14 @@ class Seen:
     trainer_step_before_kill: int | None = None
     trainer_last_step_attempt0: int | None = None  # attempt 0's last progress record (after the kill too)
     resumed: Progress | None = None  # attempt 1's record, once it trained a step
+    failure: dict[str, Any] | None = None  # status.lastFailure of the kill (not of any later failure)
+
+    def saw_failure(self, failure: dict[str, Any] | None) -> None:
+        """Follow the first failure recorded after the kill as the operator completes its timeline."""
+        if self.kill_time is None or not failure:
+            return
+        if self.failure is None or self.failure.get("time") == failure.get("time"):
+            self.failure = failure
 
     def saw_commits(self, steps: list[int]) -> bool:
         new = [s for s in sorted(steps) if s not in self.committed]
@@ -245,7 +253,7 @@ class Check:
 
 def report_data(status: dict[str, Any], seen: Seen, name: str = "demo") -> dict[str, Any]:
     """Everything the report says, as plain data (also written as JSON next to the cluster state)."""
-    failure = status.get("lastFailure") or {}
+    failure = seen.failure or status.get("lastFailure") or {}
     timeline = failure.get("timeline") or {}
     step_at_kill = failure.get("step")
     resume_step = failure.get("resumeStep")
@@ -309,6 +317,7 @@ def report_data(status: dict[str, Any], seen: Seen, name: str = "demo") -> dict[
         "phase": status.get("phase"),
         "final_step": status.get("step"),
         "restarts": status.get("restarts"),
+        "last_failure_is_the_kill": failure == (status.get("lastFailure") or {}),
         "failure": {"kind": failure.get("kind"), "reason": failure.get("reason"), "slice": failure.get("slice")},
         "killed_pod": seen.killed_pod,
         "committed_steps_seen": list(seen.committed),
@@ -342,6 +351,7 @@ def passed(data: dict[str, Any]) -> bool:
     goodput = data["goodput"]
     return (
         data["phase"] == "Succeeded"
+        and data["last_failure_is_the_kill"]
         and data["restarts"] == 1
         and all(c["ok"] for c in data["checks"])
         and goodput is not None
@@ -355,9 +365,11 @@ def format_report(data: dict[str, Any]) -> str:
         f"TrainingJob {data['job']}: {data['phase']} at step {data['final_step']}, {data['restarts']} restart(s)",
         f"failure: {data['failure']['kind']}/{data['failure']['reason']} on slice {data['failure']['slice']}",
         f"killed:  {data['killed_pod']}",
+        *([] if data.get("last_failure_is_the_kill", True) else ["(a later failure happened too: see status)"]),
         "",
         "Steps lost",
-        f"  step reached at the kill (trainer's last report)  {_opt(data['step_at_kill']):>6}",
+        f"  trainer's report just before the SIGKILL          {_opt(data['trainer_step_before_kill']):>6}",
+        f"  step reached (lastFailure.step: its last report)  {_opt(data['step_at_kill']):>6}",
         f"  committed in the bucket at the kill               {_opt(data['committed_at_kill']):>6}",
         f"  resumed from (attempt 1 restored)                 {_opt(data['resume_step']):>6}",
         f"  steps lost (status.lastFailure.lostSteps)         {_opt(data['steps_lost']):>6}",
@@ -507,7 +519,7 @@ def run_demo(state_dir: Path) -> int:
         run_dir = f"gs://{BUCKET}/runs/{NAMESPACE}/{name}"
         _delete_previous(custom, gcs, name, run_dir)
         custom.create_namespaced_custom_object("tpujob.dev", "v1alpha1", NAMESPACE, "trainingjobs", manifest)
-        print(f"applied {DEMO_MANIFEST.relative_to(REPO_ROOT)} ({total_steps} steps, 2 slices x 2 hosts)", flush=True)
+        print(f"applied {DEMO_MANIFEST.name} ({total_steps} steps, 2 slices x 2 hosts)", flush=True)
         seen = Seen()
         start = time.monotonic()
         commit_times: list[float] = []
@@ -519,6 +531,7 @@ def run_demo(state_dir: Path) -> int:
                 status = tj.get("status") or {}
                 if seen.saw_commits(committed_steps(gcs, run_dir, seen.committed)):
                     commit_times.append(time.monotonic())
+                seen.saw_failure(status.get("lastFailure"))
                 progress = read_progress(gcs, run_dir)  # the trainer's own record, not the status
                 if progress is not None and progress.attempt == 0:
                     seen.trainer_last_step_attempt0 = progress.step
@@ -552,6 +565,8 @@ def run_demo(state_dir: Path) -> int:
         print("\n" + format_report(data))
         ok = passed(data)
         print(f"\ndemo {'passed' if ok else 'FAILED'} (JSON: {state_dir / 'demo-report.json'})")
+        if not ok:
+            print(f"pod logs (operator and workers): {state_dir / 'pods'}/<namespace>/<pod>/log")
         return 0 if ok else 1
     finally:
         if cluster is not None:
