@@ -72,7 +72,8 @@ def test_workload_identity_annotation_and_replicas_with_leader_election():
         container["args"]
     )
     downward = {e["name"]: e["valueFrom"]["fieldRef"]["fieldPath"] for e in container["env"] if "valueFrom" in e}
-    assert downward == {"POD_NAME": "metadata.name", "POD_NAMESPACE": "metadata.namespace"}
+    assert downward == {"POD_NAME": "metadata.name", "POD_NAMESPACE": "metadata.namespace", "POD_IP": "status.podIP"}
+    assert "--liveness=http://$(POD_IP):8080/healthz" in container["args"]
 
 
 def test_leader_election_role_is_one_lease_in_the_release_namespace():

@@ -66,6 +66,21 @@ def container_argv(container: dict[str, Any], images: list[tuple[str, list[str]]
     return entrypoint + list(container.get("args") or [])
 
 
+_VAR_REF = re.compile(r"\$\$|\$\(([A-Za-z_][A-Za-z0-9_.-]*)\)")
+
+
+def expand_var_refs(argv: list[str], env: dict[str, str]) -> list[str]:
+    """kubelet's $(VAR) expansion in command and args: a defined variable is replaced, `$$` is a
+    literal `$`, anything else stays as written."""
+
+    def one(match: re.Match[str]) -> str:
+        if match.group(0) == "$$":
+            return "$"
+        return env.get(match.group(1), match.group(0))
+
+    return [_VAR_REF.sub(one, part) for part in argv]
+
+
 def resolve_field_ref(pod: dict[str, Any], path: str) -> str:
     meta, spec, status = pod["metadata"], pod["spec"], pod.get("status") or {}
     simple = {
@@ -194,6 +209,7 @@ class PodRunner:
                 devices = chips if self.cpu_devices_per_pod == 0 else min(chips, self.cpu_devices_per_pod)
                 extra.update(JAX_PLATFORMS="cpu", XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}")
             env = container_env(pod, container, extra)
+            argv = expand_var_refs(argv, env)
             token_dir = self._service_account(pod, directory)
         except (ValueError, ApiException) as error:
             self._report(pod, "Failed", terminated={"exitCode": 128, "reason": "StartError", "message": str(error)})
