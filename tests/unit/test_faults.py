@@ -265,3 +265,15 @@ def test_a_refused_jobset_fails_only_when_the_refusal_is_permanent():
 def test_backoff_never_overflows():
     policy = RestartSpec(backoff_seconds=604800, max_backoff_seconds=604800, max_restarts=10000)
     assert backoff(policy, 10000, counted=True) == timedelta(seconds=604800)
+
+
+def test_a_resume_that_replaces_a_stale_jobset_is_not_announced_as_a_restart():
+    tj = training_job(status={"phase": "Suspended", "attempt": 0})
+    stale = _jobset(state="Suspended", suspended_by_operator=True)
+    status, actions = reconcile(tj, Observed(now=T0, jobsets=(stale,), latest_committed_step=160))
+    assert actions.delete == ["llama-a0"] and status.attempt == 1
+    after = training_job(status=status.model_dump(by_alias=True, exclude_none=True))
+    created, actions = reconcile(after, Observed(now=T0, latest_committed_step=160))
+    assert (actions.create_attempt, actions.resume_step) == (1, 160)
+    assert created.phase == "Pending" and _condition(created, "Pending")[1] == "Resuming"
+    assert created.restarts == 0 and [e.reason for e in actions.events] == []

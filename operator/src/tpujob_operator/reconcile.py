@@ -226,6 +226,8 @@ def _without_jobset(
     status = _staged(status, "Scheduling", now)
     if _phase_reason(status) == "JobSetRefused":
         return status, actions  # tried again; the refusal stays reported until the JobSet exists
+    if _phase_reason(status) == "Resuming":  # a resume that replaced a stale JobSet: nothing failed
+        return with_phase(status, "Pending", "Resuming", f"attempt {status.attempt} resumes {where}", now), actions
     if status.phase is None:
         actions.events.append(Event("Normal", "Created", f"created JobSet {status.job_set_name}, starting {where}"))
         return with_phase(status, "Pending", "JobSetCreated", f"starting {where}", now), actions
