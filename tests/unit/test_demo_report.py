@@ -43,6 +43,15 @@ def test_p50_interval_is_the_lower_median_of_distinct_committed_steps():
     assert demo.p50_interval([]) is None
 
 
+def test_mean_loss_over_a_random_kill_step():
+    assert demo.mean_loss_over_kill_steps([100]) == 49.5  # (N - 1) / 2 for a fixed interval
+    assert demo.mean_loss_over_kill_steps([1, 1, 1]) == 0.0  # a commit every step loses nothing
+    # 10 steps in an interval of 10 lose 0..9 (45), 30 in one of 30 lose 0..29 (435): 480 / 40.
+    assert demo.mean_loss_over_kill_steps([10, 30]) == 12.0
+    assert demo.mean_loss_over_kill_steps(demo.commit_intervals(COMMITTED)) == 9.5  # 2272 / 239
+    assert demo.mean_loss_over_kill_steps([]) is None
+
+
 def test_stage_durations_skip_undated_events_and_keep_the_given_order():
     stages = demo.stage_durations([("a", _at(0.3)), ("b", _at(0)), ("c", None), ("d", _at(4.25)), ("e", _at(10))])
     assert [(s.name, s.offset_seconds, s.seconds) for s in stages] == [
@@ -140,11 +149,13 @@ A fixed-interval policy at the same step (229)
   Saving every N steps, the last multiple of N at or below the step reached
   is what it would resume from: it loses step - N*floor(step/N) steps
   (best case for it: that save is taken as committed by the kill).
-  policy                                   resumes from   lost
-  fixed, N = 100 (MaxText's default)                200     29
-  fixed, N = 19 (continuous's P50 here)             228      1
-  continuous (this run)                             221      8
+  policy                                 resumes from  lost  mean*
+  fixed, N = 100 (MaxText's default)              200    29   49.5
+  fixed, N = 19 (continuous's P50 here)           228     1    9.0
+  continuous (this run)                           221     8    9.5
   (13 commits seen, P50 interval 19 steps)
+  * mean: steps lost by a kill at a random step, from the intervals
+    (N each for fixed; this run's commit deltas for continuous)
 
 Recovery (operator's recoverySeconds: 31.2 s)
   since kill   stage  event
@@ -176,8 +187,8 @@ def test_report_checks_the_loss_against_the_trainer_and_the_bucket():
     data = demo.report_data(_status(), _seen())
     assert all(c["ok"] for c in data["checks"])
     assert data["fixed_interval"] == [
-        {"period": 100, "why": "MaxText's default", "resumes_from": 200, "steps_lost": 29},
-        {"period": 19, "why": "continuous's P50 here", "resumes_from": 228, "steps_lost": 1},
+        {"period": 100, "why": "MaxText's default", "resumes_from": 200, "steps_lost": 29, "mean_steps_lost": 49.5},
+        {"period": 19, "why": "continuous's P50 here", "resumes_from": 228, "steps_lost": 1, "mean_steps_lost": 9.0},
     ]
     assert demo.passed(data)
     wrong = demo.report_data(_status(lostSteps=3, resumeStep=224), _seen())

@@ -71,6 +71,13 @@ def fixed_interval_loss(step_at_kill: int, period: int) -> tuple[int, int]:
     return resumed, step_at_kill - resumed
 
 
+def mean_loss_over_kill_steps(intervals: list[int]) -> float | None:
+    """Steps lost on average by a kill at a uniformly random step, saves committing every `intervals`
+    steps in turn (a kill inside an interval of d steps loses 0..d-1 of them): sum(d(d-1)/2) / sum(d)."""
+    total = sum(intervals)
+    return round(sum(d * (d - 1) / 2 for d in intervals) / total, 1) if total else None
+
+
 def commit_intervals(committed_steps: list[int]) -> list[int]:
     """Step deltas between consecutive distinct committed steps (in step order)."""
     steps = sorted(set(committed_steps))
@@ -288,7 +295,15 @@ def report_data(status: dict[str, Any], seen: Seen, name: str = "demo") -> dict[
             periods.append((p50, "continuous's P50 here"))
         for period, why in periods:
             resumed, lost_fixed = fixed_interval_loss(step_at_kill, period)
-            fixed.append({"period": period, "why": why, "resumes_from": resumed, "steps_lost": lost_fixed})
+            fixed.append(
+                {
+                    "period": period,
+                    "why": why,
+                    "resumes_from": resumed,
+                    "steps_lost": lost_fixed,
+                    "mean_steps_lost": mean_loss_over_kill_steps([period]),
+                }
+            )
     trainer_times = seen.resumed
     events: list[tuple[str, datetime | None]] = [
         ("SIGKILL sent by the demo", seen.kill_time),
@@ -322,6 +337,7 @@ def report_data(status: dict[str, Any], seen: Seen, name: str = "demo") -> dict[
         "killed_pod": seen.killed_pod,
         "committed_steps_seen": list(seen.committed),
         "p50_interval_steps": p50,
+        "mean_steps_lost_continuous": mean_loss_over_kill_steps(commit_intervals(seen.committed)),
         "step_at_kill": step_at_kill,
         "trainer_step_before_kill": seen.trainer_step_before_kill,
         "committed_at_kill": seen.committed_at_kill,
@@ -383,12 +399,17 @@ def format_report(data: dict[str, Any]) -> str:
         "  is what it would resume from: it loses step - N*floor(step/N) steps",
         "  (best case for it: that save is taken as committed by the kill).",
     ]
-    lines.append(f"  {'policy':<40}{'resumes from':>13}{'lost':>7}")
+    lines.append(f"  {'policy':<38}{'resumes from':>13}{'lost':>6}{'mean*':>7}")
     for f in data["fixed_interval"]:
         policy = f"fixed, N = {f['period']} ({f['why']})"
-        lines.append(f"  {policy:<40}{f['resumes_from']:>13}{f['steps_lost']:>7}")
-    lines.append(f"  {'continuous (this run)':<40}{_opt(data['resume_step']):>13}{_opt(data['steps_lost']):>7}")
+        lines.append(f"  {policy:<38}{f['resumes_from']:>13}{f['steps_lost']:>6}{f['mean_steps_lost']:>7}")
+    lines.append(
+        f"  {'continuous (this run)':<38}{_opt(data['resume_step']):>13}{_opt(data['steps_lost']):>6}"
+        f"{_opt(data['mean_steps_lost_continuous']):>7}"
+    )
     lines.append(f"  ({len(seen)} commits seen, P50 interval {_opt(data['p50_interval_steps'])} steps)")
+    lines.append("  * mean: steps lost by a kill at a random step, from the intervals")
+    lines.append("    (N each for fixed; this run's commit deltas for continuous)")
     lines += ["", f"Recovery (operator's recoverySeconds: {_opt(data['recovery_seconds_operator'])} s)"]
     lines.append(f"  {'since kill':>10}  {'stage':>6}  event")
     for t in data["timeline"]:
