@@ -6,7 +6,7 @@ import pytest
 from tpujob_operator import goodput
 from tpujob_operator.api import FailureRecord, TrainingJobStatus
 from tpujob_operator.facts import Progress
-from tpujob_operator.status import rfc3339
+from tpujob_operator.status import rfc3339, rfc3339_precise
 
 T0 = datetime(2026, 11, 30, 12, 0, tzinfo=UTC)
 
@@ -156,8 +156,8 @@ def test_the_recovery_timeline_is_dated_stage_by_stage():
     tj = training_job(restart={"backoffSeconds": 5}, status={"phase": "Running", "attempt": 0, "stage": "Training"})
     status, _ = reconcile(tj, Observed(now=_at(10), jobsets=(running,), latest_committed_step=4))
     assert (status.last_failure.timeline.failed, status.last_failure.timeline.detected) == (
-        rfc3339(_at(8)),
-        rfc3339(_at(10)),
+        rfc3339_precise(_at(8)),
+        rfc3339_precise(_at(10)),
     )
 
     def again(status, at, **observed):
@@ -165,17 +165,17 @@ def test_the_recovery_timeline_is_dated_stage_by_stage():
         return reconcile(tj, Observed(now=_at(at), latest_committed_step=4, **observed))[0]
 
     status = again(status, 15)  # backoff over: the replacement is created
-    assert status.last_failure.timeline.job_set_created == rfc3339(_at(15))
+    assert status.last_failure.timeline.job_set_created == rfc3339_precise(_at(15))
     placed = PodFacts("w", 0, "Running", created=_at(16), scheduled_at=_at(20))
     replacement = JobSetFacts("llama-a1", 1, 4, _at(15), "Active", pods=(placed,), uid=uid, expected_pods=1)
     status = again(status, 21, jobsets=(replacement,))
-    assert status.last_failure.timeline.pods_scheduled == rfc3339(_at(20))
+    assert status.last_failure.timeline.pods_scheduled == rfc3339_precise(_at(20))
     record = Progress(
         step=5, attempt=1, uid=uid, updated_at=_at(40), restore_finished_at=_at(30), first_step_at=_at(38)
     )
     status = again(status, 41, jobsets=(replacement,), progress=record)
     timeline = status.last_failure.timeline
-    assert (timeline.restored, timeline.first_new_step) == (rfc3339(_at(30)), rfc3339(_at(38)))
+    assert (timeline.restored, timeline.first_new_step) == (rfc3339_precise(_at(30)), rfc3339_precise(_at(38)))
     assert status.last_failure.recovery_seconds == 32.0
     ledger = status.goodput
     assert ledger is not None and ledger.wall_seconds == 41 - 10  # from the first reconcile (startTime)

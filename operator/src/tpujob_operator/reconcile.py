@@ -28,7 +28,7 @@ from .restarts import (
     counts_against_budget,
     expired,
 )
-from .status import parse_time, rfc3339, set_condition, with_observations, with_phase
+from .status import parse_time, rfc3339, rfc3339_precise, set_condition, with_observations, with_phase
 
 TERMINAL_PHASES = ("Succeeded", "Failed")
 # How often a running job is re-examined without events (progress, hang, new checkpoints).
@@ -64,17 +64,17 @@ def _with_timeline(status: TrainingJobStatus, observed: Observed, actions: Actio
     timeline = failure.timeline.model_copy()
     current = next((js for js in observed.jobsets if js.attempt == status.attempt and not js.deleting), None)
     if timeline.job_set_created is None and actions.create_attempt == status.attempt:
-        timeline.job_set_created = rfc3339(observed.now)
+        timeline.job_set_created = rfc3339_precise(observed.now)
     if current is not None and timeline.detected is not None:
         scheduled = [p.scheduled_at for p in current.pods if p.scheduled_at is not None]
         if timeline.pods_scheduled is None and scheduled and len(scheduled) >= (current.expected_pods or 1):
-            timeline.pods_scheduled = rfc3339(max(scheduled))
+            timeline.pods_scheduled = rfc3339_precise(max(scheduled))
     progress = observed.progress
     if progress is not None and progress.attempt == status.attempt and status.attempt > 0:
         if timeline.restored is None and progress.restore_finished_at is not None:
-            timeline.restored = rfc3339(progress.restore_finished_at)
+            timeline.restored = rfc3339_precise(progress.restore_finished_at)
         if timeline.first_new_step is None and failure.recovery_seconds is not None:
-            timeline.first_new_step = rfc3339(progress.first_step_at or progress.updated_at)
+            timeline.first_new_step = rfc3339_precise(progress.first_step_at or progress.updated_at)
     if timeline == failure.timeline:
         return status
     return status.model_copy(update={"last_failure": failure.model_copy(update={"timeline": timeline})})
@@ -381,7 +381,7 @@ def _after_failure(
         resume_step=latest,
         lost_steps=lost,
         counted=counted,
-        timeline=FailureTimeline(failed=rfc3339(failure.time or now), detected=rfc3339(now)),
+        timeline=FailureTimeline(failed=rfc3339_precise(failure.time or now), detected=rfc3339_precise(now)),
     )
     status.lost_steps += lost or 0
     where = f"slice {failure.slice}" if failure.slice is not None else "a slice"
