@@ -7,16 +7,17 @@ itself), else `$TPUJOB_RUN_DIR/jax-cache`; gs:// or a local path.
 Why every attempt and every host may share one directory (JAX 0.10.2, jax/_src/cache_key.py): an
 entry's key is a sha256 of the computation (StableHLO without debug info), the jaxlib version,
 the platform and its version, the XLA flags, the compile options (including the global device
-assignment) and the accelerator topology's fingerprint. The processes of one attempt compile the
-same SPMD program with the same global device assignment, so they look up the same key; a new
-attempt of the same job on other hosts of the same slice shape computes it again; anything that
-would change the executable (model, batch, mesh, jax version, flags) changes the key. Only JAX
-process 0 writes entries (jax/_src/compiler.py, `_cache_write`), so one attempt has one writer.
-On TPU the topology is the slice's, the same on every host, so every host reads process 0's
-entries (JAX's documented multi-host setup). On the CPU stand-in (tests, devcluster) XLA's CPU
-topology fingerprint differs per process, so there only process 0 hits and the others compile;
-and since an XLA:CPU executable is native code for the host CPU, which the key does not cover,
-this module adds the host CPU's model and feature flags to the key on CPU (JAX's `custom_hook`).
+assignment) and the accelerator topology's fingerprint. A new attempt of the same job on other
+hosts of the same slice shape computes the same key; anything that would change the executable
+(model, batch, mesh, jax version, flags) changes it. Only JAX process 0 writes entries
+(jax/_src/compiler.py, `_cache_write`), so one attempt has one writer. On TPU the topology is the
+slice's, the same on every host, so every host reads process 0's entries (JAX's documented
+multi-host set-up). On the CPU stand-in (tests, devcluster) XLA's CPU topology fingerprint differs
+per process, so only process 0 could hit while the others compile, which skews the first step's
+collectives past gloo's patience: with several CPU processes the cache turns itself off (one CPU
+process, as in the devcluster's one-host slices, uses it). And since an XLA:CPU executable is
+native code for the host CPU, which the key does not cover, this module adds the host CPU's model
+and feature flags to the key on CPU (JAX's `custom_hook`).
 
 What this module adds to JAX's own file cache (jax/_src/lru_cache.py), which it replaces through
 the one hook JAX has for it (`jax._src.compilation_cache._cache`):
@@ -141,6 +142,10 @@ class GuardedCache(CacheInterface):
             if self._listing_started:
                 return
             self._listing_started = True
+        if (why := self._platform_rules_out()) is not None:
+            self._disable(why, error=False)
+            self._listed.set()
+            return
         threading.Thread(target=self._list, name="tpujob-compile-cache-list", daemon=True).start()
 
     def _list(self) -> None:
@@ -167,12 +172,23 @@ class GuardedCache(CacheInterface):
             return set()
         return {n[: -len(SUFFIX)] for n in names if n.endswith(SUFFIX)}
 
-    def _disable(self, why: str) -> None:
+    @staticmethod
+    def _platform_rules_out() -> str | None:
+        """On CPU, XLA's topology fingerprint (part of the key) differs per process, so with several
+        processes only process 0 could hit: it would reach the first step's collectives while the
+        others still compile, and gloo gives up waiting for its peers after a while (the multi-process
+        devcluster demo deadlocked so). Hits there cannot shorten the step anyway: it waits for the
+        slowest process, which compiles. TPU hosts share the slice's topology, hence the key."""
+        if jax.process_count() > 1 and jax.default_backend() == "cpu":
+            return f"{jax.process_count()} CPU processes look up different keys (see compile_cache.py)"
+        return None
+
+    def _disable(self, why: str, error: bool = True) -> None:
         with self._lock:
             if self._disabled is not None:
                 return
             self._disabled = why
-            self.stats.errors += 1
+            self.stats.errors += int(error)
         log.warning("compile cache: %s; compiling without the cache for the rest of this process", why)
 
     # -- CacheInterface ----------------------------------------------------------------------------
