@@ -20,8 +20,9 @@ injected failures (SIGKILL of its worker, a crash). Per failure:
     storage_to_restored     storage ready -> restore finished (listing, Orbax restore)
     restored_to_first_step  restore finished -> first step done (compilation, mostly)
     total                   SIGKILL -> first step done
-  timeline    the same recovery as the operator dates it in status.lastFailure.timeline (whole
-              seconds: failed, detected, jobSetCreated, podsScheduled, restored, firstNewStep)
+  timeline    the same recovery as the operator dates it in status.lastFailure.timeline (failed,
+              detected, jobSetCreated, podsScheduled, restored, firstNewStep; failed, the pod's
+              finish time, has whole seconds)
 Prints one JSON object: per run p50/p90 per stage and medians. Run: `make bench-recovery`.
 """
 
@@ -56,7 +57,7 @@ STAGES = (
     "failure_visible", "detection", "decision_to_jobset", "operator_share", "jobset_to_scheduled",
     "scheduled_to_process", "process_to_storage", "storage_to_restored", "restored_to_first_step", "total",
 )  # fmt: skip
-TIMELINE_STAGES = {  # status.lastFailure.timeline, whole seconds
+TIMELINE_STAGES = {  # status.lastFailure.timeline (failed: the pod's finish time, whole seconds)
     "failed_to_detected": ("failed", "detected"),
     "detected_to_jobset_created": ("detected", "jobSetCreated"),
     "jobset_created_to_pods_scheduled": ("jobSetCreated", "podsScheduled"),
@@ -88,8 +89,7 @@ def _manifest(name: str, policy: str, steps: int, failures: int, compile_cache: 
 
 
 def _wall(moment: str | datetime | None) -> float | None:
-    """An RFC 3339 time (or a parsed one) as a Unix timestamp (the trainer's have microseconds,
-    the operator's whole seconds)."""
+    """An RFC 3339 time (or a parsed one) as a Unix timestamp."""
     if moment is None or moment == "":
         return None
     if isinstance(moment, str):
