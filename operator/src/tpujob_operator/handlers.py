@@ -47,6 +47,7 @@ class Runtime:
         # garbage-collected pods are often gone from the API by the time the failure is handled;
         # what they said on the way out is what classifies it.
         self.ended_pods: defaultdict[JobKey, dict[str, dict[str, Any]]] = defaultdict(dict)
+        self.wakeups: dict[JobKey, asyncio.TimerHandle] = {}  # reconciles due before the next poll
 
     def cluster(self) -> Cluster:
         if self._cluster is None:
@@ -64,11 +65,13 @@ class Runtime:
         self.watched.discard(key)
         self.ended_pods.pop(key, None)
         self.locks.pop(key, None)
+        self.wakeups.pop(key, None)  # (may run in a worker thread: a wake-up left armed finds the job gone)
         METRICS.forget(*key)
 
     def remembered(self, key: JobKey) -> int:
         """How many things the runtime holds for a job (0 once it ended or was deleted)."""
-        return int(key in self.watched) + len(self.ended_pods.get(key, {})) + int(key in self.locks)
+        held = int(key in self.watched) + len(self.ended_pods.get(key, {})) + int(key in self.locks)
+        return held + int(key in self.wakeups)
 
     def keep_only_attempt(self, key: JobKey, uid: str | None, attempt: int) -> None:
         """Drop remembered pods of earlier attempts and other incarnations: they decide nothing any more."""
@@ -244,7 +247,38 @@ def reconcile_sync(namespace: str, name: str) -> float | None:
 async def reconcile_job(namespace: str, name: str) -> float | None:
     async with RUNTIME.locks[(namespace, name)]:
         with METRICS.reconciling():
-            return await asyncio.to_thread(reconcile_sync, namespace, name)
+            requeue = await asyncio.to_thread(reconcile_sync, namespace, name)
+    _schedule(namespace, name, requeue)
+    return requeue
+
+
+_running: set[asyncio.Future[None]] = set()
+
+
+def _schedule(namespace: str, name: str, requeue: float | None) -> None:
+    """A decision due sooner than the next poll (a backoff that ends in 1 s) is re-examined then,
+    not up to a poll interval late; one pending wake-up per job, dropped with the job."""
+    key = (namespace, name)
+    if requeue is None or requeue >= POLL_SECONDS / 2 or key not in RUNTIME.watched:
+        return
+    pending = RUNTIME.wakeups.pop(key, None)
+    if pending is not None:
+        pending.cancel()
+
+    def wake() -> None:
+        if RUNTIME.wakeups.pop(key, None) is not None and key in RUNTIME.watched:
+            task = asyncio.ensure_future(_reconcile_logged(namespace, name))
+            _running.add(task)  # the loop keeps only weak references to tasks
+            task.add_done_callback(_running.discard)
+
+    RUNTIME.wakeups[key] = asyncio.get_running_loop().call_later(max(requeue, 0.05), wake)
+
+
+async def _reconcile_logged(namespace: str, name: str) -> None:
+    try:
+        await reconcile_job(namespace, name)
+    except Exception:  # a wake-up's failure is the poller's to retry
+        log.exception("reconcile of %s/%s failed", namespace, name)
 
 
 @kopf.on.event(api.GROUP, api.VERSION, api.PLURAL)
