@@ -277,3 +277,12 @@ def test_a_resume_that_replaces_a_stale_jobset_is_not_announced_as_a_restart():
     assert (actions.create_attempt, actions.resume_step) == (1, 160)
     assert created.phase == "Pending" and _condition(created, "Pending")[1] == "Resuming"
     assert created.restarts == 0 and [e.reason for e in actions.events] == []
+
+
+def test_an_unschedulable_leader_explains_the_refused_followers():
+    tj = training_job(status={"phase": "Pending", "attempt": 0})
+    leader = PodFacts("w0", 0, "Pending", created=T0, unschedulable_message="0/3 nodes are available")
+    refusal = 'admission webhook "vpod.kb.io" denied the request: follower pod node selector not found'
+    js = _jobset(pods=(leader,), expected_pods=2, pod_creation_refused=refusal)
+    status, _ = reconcile(tj, Observed(now=T0, jobsets=(js,)))
+    assert _condition(status, "Pending")[:2] == ("True", "Unschedulable")

@@ -315,10 +315,12 @@ def _while_active(
             failure = Failure("SchedulingTimeout", "SchedulingTimeout", timeout, None, now)
             return _after_failure(tj, status, observed, actions, current, failure)
         unschedulable = next((p.unschedulable_message for p in current.pods if p.unschedulable_message), None)
-        if current.pod_creation_refused:
-            reason, message = "PodCreationRefused", current.pod_creation_refused
-        elif unschedulable:
+        # The scheduler's reason first: with exclusive placement JobSet refuses the other pods of a
+        # slice until its leader pod is placed, so their refusal is the consequence, not the cause.
+        if unschedulable:
             reason, message = "Unschedulable", unschedulable
+        elif current.pod_creation_refused:
+            reason, message = "PodCreationRefused", current.pod_creation_refused
         else:
             reason, message = "Scheduling", f"{len(scheduled)}/{expected} worker pods scheduled"
         return with_phase(status, waiting_phase, reason, message, now), actions
