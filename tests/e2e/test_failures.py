@@ -15,6 +15,7 @@ V5E: dict[str, Any] = {"accelerator": "tpu-v5-lite-podslice", "topology": "2x2",
 
 
 def _training(e2e: E2E, name: str) -> str:
+    # Jobs run long enough (1,500 steps) that the pod is still running when the test acts on it.
     e2e.wait(name, lambda s: s.get("phase") == "Running" and (s.get("step") or 0) > 0, 300, "training")
     return e2e.running_pod(f"{name}-a0-slice-0-0")
 
@@ -29,7 +30,7 @@ def test_process_exiting_non_zero_spends_the_budget_then_fails(e2e):
 
 
 def test_killed_process_is_restarted_and_counted(e2e):
-    e2e.apply("killed", 400, **V5E)
+    e2e.apply("killed", 1500, **V5E)
     e2e.signal_pod(_training(e2e, "killed"), signal.SIGKILL)
     status = e2e.wait("killed", lambda s: s.get("phase") == "Succeeded", 300, "Succeeded")
     assert (status["restarts"], status["countedRestarts"]) == (1, 1)
@@ -37,7 +38,7 @@ def test_killed_process_is_restarted_and_counted(e2e):
 
 
 def test_preemption_checkpoints_the_current_step_and_is_not_counted(e2e):
-    e2e.apply("preempted", 400, restart={"maxRestarts": 0}, **V5E)
+    e2e.apply("preempted", 1500, restart={"maxRestarts": 0}, **V5E)
     pod = _training(e2e, "preempted")
     # Eviction is how GKE drains a node for maintenance: DisruptionTarget, then SIGTERM with grace.
     e2e.core.create_namespaced_pod_eviction(
@@ -52,7 +53,7 @@ def test_preemption_checkpoints_the_current_step_and_is_not_counted(e2e):
 
 
 def test_lost_node_is_restarted_on_another_pool(e2e):
-    e2e.apply("nodelost", 400, **V5E)
+    e2e.apply("nodelost", 1500, **V5E)
     pod = e2e.core.read_namespaced_pod(_training(e2e, "nodelost"), e2e.namespace)
     node = e2e.core.read_node(pod.spec.node_name)
     pool = node.metadata.labels["cloud.google.com/gke-nodepool"]
@@ -67,7 +68,7 @@ def test_lost_node_is_restarted_on_another_pool(e2e):
 
 
 def test_hung_process_is_restarted_after_the_hang_timeout(e2e):
-    e2e.apply("hung", 400, restart={"hangTimeoutSeconds": 45}, **V5E)
+    e2e.apply("hung", 1500, restart={"hangTimeoutSeconds": 45}, **V5E)
     pod = _training(e2e, "hung")
     stopped_at = time.monotonic()
     e2e.signal_pod(pod, signal.SIGSTOP)  # alive, no progress
