@@ -169,7 +169,7 @@ Recovery (operator's recoverySeconds: 31.2 s)
         9.2s   +0.5s  restore started
        10.7s   +1.5s  restore finished
        30.4s  +19.8s  first new step (compiled)
-  (operator times are whole seconds; trainer and demo times are exact)
+  (pod times from Kubernetes are whole seconds; the others are exact)
 
 Goodput ledger
   goodput 60.0%: 120.0 s productive of 200.0 s wall

@@ -415,7 +415,7 @@ def format_report(data: dict[str, Any]) -> str:
     for t in data["timeline"]:
         stage = "" if t["stage_s"] is None else f"{t['stage_s']:+.1f}s"
         lines.append(f"  {t['offset_s']:>9.1f}s  {stage:>6}  {t['event']}")
-    lines.append("  (operator times are whole seconds; trainer and demo times are exact)")
+    lines.append("  (pod times from Kubernetes are whole seconds; the others are exact)")
     goodput = data["goodput"]
     lines += ["", "Goodput ledger"]
     if goodput is None:
