@@ -22,6 +22,7 @@ from jax.experimental import multihost_utils
 from orbax.checkpoint import checkpoint_managers as cm
 from tpujob_contract import COMMIT_MARKER, RestoreFailure, Resume
 
+from tpujob_trainer.bounded import StorageTimeout, bounded
 from tpujob_trainer.config import CheckpointConfig, ConfigError
 from tpujob_trainer.progress import short_error
 
@@ -279,19 +280,9 @@ def probe_storage(run_dir: str, name: str, timeout_s: float) -> None:
     Runs in a daemon thread because GCS clients retry unreachable endpoints for minutes; the
     trainer must fail fast and clearly instead of hanging before its first step.
     """
-    errors: list[BaseException] = []
-
-    def target() -> None:
-        try:
-            _probe(run_dir, f"{name}-{uuid.uuid4().hex[:8]}")
-        except BaseException as err:
-            errors.append(err)
-
-    thread = threading.Thread(target=target, name="tpujob-storage-probe", daemon=True)
-    thread.start()
-    thread.join(timeout_s)
-    if thread.is_alive():
-        raise StorageError(f"checkpoint storage {run_dir} did not answer within {timeout_s:.0f}s (unreachable?)")
-    if errors:
-        err = errors[0]
+    try:
+        bounded(lambda: _probe(run_dir, f"{name}-{uuid.uuid4().hex[:8]}"), timeout_s, f"checkpoint storage {run_dir}")
+    except StorageTimeout as err:
+        raise StorageError(f"{err} (unreachable?)") from err
+    except Exception as err:
         raise StorageError(f"checkpoint storage {run_dir} is not writable: {type(err).__name__}: {err}") from err

@@ -51,9 +51,8 @@ import queue
 import threading
 import time
 import uuid
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from pathlib import Path
-from typing import TypeVar
 
 import jax
 from etils import epath
@@ -61,13 +60,14 @@ from jax._src import cache_key as jax_cache_key
 from jax._src import compilation_cache as jax_cc
 from jax._src.compilation_cache_interface import CacheInterface
 
+from tpujob_trainer.bounded import bounded
+
 log = logging.getLogger("tpujob_trainer")
 
 MIN_COMPILE_TIME_ENV = "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"
 SUFFIX = ".xc"
 MAGIC = b"tpujob-xc1\n"
 _DIGEST = 32
-T = TypeVar("T")
 
 
 def frame(payload: bytes) -> bytes:
@@ -81,32 +81,6 @@ def unframe(blob: bytes) -> bytes | None:
         return None
     payload = blob[head:]
     return payload if hashlib.sha256(payload).digest() == blob[len(MAGIC) : head] else None
-
-
-class StorageTimeout(OSError):
-    pass
-
-
-def _bounded(fn: Callable[[], T], timeout_s: float, what: str) -> T:
-    """fn() in a daemon thread; raises its error, or StorageTimeout after timeout_s (the thread is
-    abandoned: a hung storage call must not hold the compile, nor the process's exit)."""
-    result: list[T] = []
-    errors: list[BaseException] = []
-
-    def target() -> None:
-        try:
-            result.append(fn())
-        except BaseException as err:
-            errors.append(err)
-
-    thread = threading.Thread(target=target, name="tpujob-compile-cache-io", daemon=True)
-    thread.start()
-    thread.join(timeout_s)
-    if thread.is_alive():
-        raise StorageTimeout(f"{what} did not answer within {timeout_s:g}s")
-    if errors:
-        raise errors[0]
-    return result[0]
 
 
 @dataclasses.dataclass
@@ -151,7 +125,7 @@ class GuardedCache(CacheInterface):
     def _list(self) -> None:
         started = time.monotonic()
         try:
-            keys = _bounded(self._list_keys, self.timeout_s, f"listing {self.directory}")
+            keys = bounded(self._list_keys, self.timeout_s, f"listing {self.directory}")
         except Exception as err:
             self._disable(f"listing failed: {type(err).__name__}: {err}")
         else:
@@ -207,7 +181,7 @@ class GuardedCache(CacheInterface):
             return None
         started = time.monotonic()
         try:
-            blob = _bounded(self._entry(key).read_bytes, self.timeout_s, f"reading {_short(key)}")
+            blob = bounded(self._entry(key).read_bytes, self.timeout_s, f"reading {_short(key)}")
         except FileNotFoundError:
             with self._lock:
                 self._present.discard(key)
@@ -248,7 +222,7 @@ class GuardedCache(CacheInterface):
             try:
                 if self._disabled is None:
                     started = time.monotonic()
-                    _bounded(functools.partial(self._write, key, blob), self.timeout_s, f"writing {_short(key)}")
+                    bounded(functools.partial(self._write, key, blob), self.timeout_s, f"writing {_short(key)}")
                     with self._lock:
                         self.stats.writes += 1
                     took = time.monotonic() - started
