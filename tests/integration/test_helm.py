@@ -28,6 +28,19 @@ def render(*overrides: str) -> list[dict[str, Any]]:
     return [d for d in yaml.safe_load_all(helm("template", "tpujob", str(CHART), *args)) if d]
 
 
+def refused_render(*overrides: str) -> str:
+    """helm template with values the chart must refuse: its error text."""
+    args = [arg for override in overrides for arg in ("--set", override)]
+    result = subprocess.run(
+        [str(tools_dir() / "helm"), "template", "tpujob", str(CHART), *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode != 0, result.stdout[:500]
+    return result.stderr
+
+
 def test_chart_lints_clean():
     assert "0 chart(s) failed" in helm("lint", "--strict", str(CHART))
 
@@ -97,13 +110,7 @@ def test_without_leader_election_only_one_replica_renders():
     [deployment] = [d for d in render("leaderElection.enabled=false", "replicaCount=1") if d["kind"] == "Deployment"]
     assert deployment["spec"]["replicas"] == 1 and deployment["spec"]["strategy"]["type"] == "Recreate"
     assert "--no-leader-elect" in deployment["spec"]["template"]["spec"]["containers"][0]["args"]
-    result = subprocess.run(
-        [str(tools_dir() / "helm"), "template", "tpujob", str(CHART), "--set", "leaderElection.enabled=false"],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert result.returncode != 0 and "replicaCount > 1 needs leaderElection.enabled" in result.stderr
+    assert "replicaCount > 1 needs leaderElection.enabled" in refused_render("leaderElection.enabled=false")
 
 
 def test_helm_install_creates_accepted_objects(control_plane, kube, namespace):
@@ -156,13 +163,7 @@ def test_metrics_service_reaches_the_operator_metrics_port():
     [moved_service] = [d for d in moved if d["kind"] == "Service"]
     assert moved_service["spec"]["ports"][0]["port"] == 9102
     assert "--metrics-port=9102" in _operator_container(moved)["args"]
-    result = subprocess.run(
-        [str(tools_dir() / "helm"), "template", "tpujob", str(CHART), "--set", "metrics.port=8080"],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert result.returncode != 0 and "metrics.port must differ from livenessPort" in result.stderr
+    assert "metrics.port must differ from livenessPort" in refused_render("metrics.port=8080")
 
 
 def test_service_monitor_is_rendered_only_when_enabled():

@@ -174,8 +174,13 @@ class ProgressRecord:
     save_blocking_seconds: float = 0.0  # training loop blocked by checkpoint saves, this attempt, cumulative
 
 
+def format_time(moment: datetime) -> str:
+    """RFC 3339 UTC with microseconds: the record's times, and clocks that add up short intervals."""
+    return moment.astimezone(UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+
+
 def now_rfc3339() -> str:
-    return datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+    return format_time(datetime.now(UTC))
 
 
 def parse_time(text: str | None) -> datetime | None:

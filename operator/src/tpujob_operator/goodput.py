@@ -19,7 +19,7 @@ from typing import Literal
 
 from .api import Badput, Goodput, Stage, TrainingJobStatus
 from .facts import Progress
-from .status import parse_time, rfc3339_precise
+from .status import decided_failure, parse_time, rfc3339_precise
 
 Cause = Literal[
     "productive",
@@ -76,11 +76,6 @@ def _cause_of(status: TrainingJobStatus) -> Cause | None:
     return _STAGE_CAUSE[status.stage]
 
 
-def _new_failure(before: TrainingJobStatus, after: TrainingJobStatus) -> bool:
-    new, old = after.last_failure, before.last_failure
-    return new is not None and (old is None or (new.time, new.kind, new.reason) != (old.time, old.kind, old.reason))
-
-
 def advance(
     before: TrainingJobStatus, after: TrainingJobStatus, progress: Progress | None, now: datetime
 ) -> Goodput | None:
@@ -110,9 +105,8 @@ def advance(
                 ledger, "startup", "restore", restore - ledger.attempt_restore_seconds
             )
 
-    if _new_failure(before, after):
-        failure = after.last_failure
-        assert failure is not None
+    failure = decided_failure(before, after)
+    if failure is not None:
         failed_at = parse_time(failure.time)
         if failed_at is not None:  # from the failure to this decision, the job only looked alive
             _move(ledger, cause, "infrastructure_recovery", min(elapsed, (now - failed_at).total_seconds()))

@@ -132,11 +132,11 @@ def _observe(tj: api.TrainingJob, raw_jobsets: list[dict[str, Any]], pods: list[
         for p in pods
         if incarnation_uid(p) not in (None, uid) and (p.get("status") or {}).get("phase") not in ("Succeeded", "Failed")
     ]
+    attempt_pods = [p for p in ours if (p["metadata"].get("labels") or {}).get(LABEL_ATTEMPT) == attempt]
     facts = []
     for js in raw_jobsets:
         labels = js["metadata"].get("labels") or {}
         current = labels.get(LABEL_ATTEMPT) == attempt and incarnation_uid(js) == uid
-        attempt_pods = [p for p in ours if (p["metadata"].get("labels") or {}).get(LABEL_ATTEMPT) == attempt]
         refused = None
         live = current and not js["metadata"].get("deletionTimestamp") and not (js.get("spec") or {}).get("suspend")
         if live and len(attempt_pods) < expected_pods(js):  # only then can a refusal be the reason

@@ -26,6 +26,7 @@ from .jobset import (
     LABEL_NAME,
     LABEL_UID,
 )
+from .status import parse_time
 
 log = logging.getLogger(__name__)
 # Every API call carries a timeout, so a stuck connection cannot stall a reconcile forever.
@@ -43,10 +44,6 @@ def load_config() -> None:
         config.load_incluster_config()
     except config.ConfigException:
         config.load_kube_config()
-
-
-def _time(text: str | None) -> datetime | None:
-    return datetime.fromisoformat(text.replace("Z", "+00:00")) if text else None
 
 
 def _condition(conditions: list[dict[str, Any]] | None, type_: str, status: str = "True") -> dict[str, Any] | None:
@@ -72,7 +69,7 @@ def pod_facts(pod: dict[str, Any]) -> PodFacts:
     unschedulable = scheduled.get("message") if scheduled and scheduled.get("reason") == "Unschedulable" else None
     scheduled_at = None
     if scheduled is not None and scheduled.get("status") == "True":
-        scheduled_at = _time(scheduled.get("lastTransitionTime")) or _time(meta.get("creationTimestamp"))
+        scheduled_at = parse_time(scheduled.get("lastTransitionTime")) or parse_time(meta.get("creationTimestamp"))
     return PodFacts(
         name=meta["name"],
         slice=int(slice_text) if slice_text and slice_text.isdigit() else None,
@@ -80,9 +77,9 @@ def pod_facts(pod: dict[str, Any]) -> PodFacts:
         exit_code=terminated.get("exitCode"),
         reason=terminated.get("reason") or status.get("reason"),
         disruption_reason=disruption.get("reason") if disruption else None,
-        finished_at=_time(terminated.get("finishedAt")),
+        finished_at=parse_time(terminated.get("finishedAt")),
         unschedulable_message=unschedulable,
-        created=_time(meta.get("creationTimestamp")),
+        created=parse_time(meta.get("creationTimestamp")),
         scheduled_at=scheduled_at,
         waiting_reason=waiting.get("reason"),
         waiting_message=waiting.get("message"),
@@ -132,7 +129,7 @@ def jobset_facts(
         name=meta["name"],
         attempt=int((meta.get("labels") or {}).get(LABEL_ATTEMPT, "0")),
         resume_step=None if int(resume) < 0 else int(resume),
-        created=_time(meta.get("creationTimestamp")) or datetime.now(UTC),
+        created=parse_time(meta.get("creationTimestamp")) or datetime.now(UTC),
         state=state,
         condition_reason=(condition or {}).get("reason", ""),
         condition_message=(condition or {}).get("message", ""),
@@ -140,7 +137,7 @@ def jobset_facts(
         deleting=bool(meta.get("deletionTimestamp")),
         uid=incarnation_uid(jobset),
         expected_pods=expected_pods(jobset),
-        resumed_at=_time(resumed.get("lastTransitionTime")) if resumed else None,
+        resumed_at=parse_time(resumed.get("lastTransitionTime")) if resumed else None,
         suspended_by_operator=annotations.get(ANNOTATION_SUSPENDED) == "true",
         resuming=state == "Active" and _condition(conditions, "Suspended") is not None,
         pod_creation_refused=pod_creation_refused,

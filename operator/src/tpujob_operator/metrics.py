@@ -32,7 +32,7 @@ from prometheus_client.metrics_core import Metric
 from prometheus_client.registry import Collector
 
 from . import api
-from .status import parse_time
+from .status import decided_failure, failure_identity, parse_time
 
 log = logging.getLogger("tpujob.metrics")
 
@@ -61,21 +61,6 @@ class _LiveJob:
     checkpoint_time: datetime | None
 
 
-def _failure_identity(failure: api.FailureRecord) -> tuple[str, str, str]:
-    return failure.time, failure.kind, failure.reason
-
-
-def new_failure(before: api.TrainingJobStatus, after: api.TrainingJobStatus) -> api.FailureRecord | None:
-    """The failure this reconcile decided on (a restart, or the end of the job), if any."""
-    failure = after.last_failure
-    if failure is None:
-        return None
-    previous = before.last_failure
-    if after.restarts > before.restarts or previous is None:
-        return failure
-    return failure if _failure_identity(previous) != _failure_identity(failure) else None
-
-
 def detection_seconds(failure: api.FailureRecord, now: datetime) -> float | None:
     """Failure (its timeline's `failed`, else its time) -> detection (timeline's `detected`, else now)."""
     failed = parse_time(failure.timeline.failed) or parse_time(failure.time)
@@ -93,7 +78,7 @@ def first_recovery(before: api.TrainingJobStatus, after: api.TrainingJobStatus) 
     previous = before.last_failure
     if previous is None or previous.recovery_seconds is None:
         return failure.recovery_seconds
-    return None if _failure_identity(previous) == _failure_identity(failure) else failure.recovery_seconds
+    return None if failure_identity(previous) == failure_identity(failure) else failure.recovery_seconds
 
 
 class OperatorMetrics:
@@ -157,7 +142,7 @@ class OperatorMetrics:
     ) -> None:
         """A reconcile read `before` and wrote `after` (its decision is stored): count what changed."""
         key = (namespace, name)
-        failure = new_failure(before, after)
+        failure = decided_failure(before, after)
         if after.restarts > before.restarts:
             kind = failure.kind if failure is not None else "Unknown"
             counted = failure.counted if failure is not None else after.counted_restarts > before.counted_restarts

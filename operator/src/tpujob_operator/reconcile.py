@@ -51,18 +51,22 @@ def reconcile(tj: TrainingJob, observed: Observed) -> tuple[TrainingJobStatus, A
     if tj.status.start_time is None:
         tj = tj.model_copy(update={"status": tj.status.model_copy(update={"start_time": rfc3339(observed.now)})})
     status, actions = _decide(tj, observed)
-    status = _with_timeline(status, observed, actions)
+    status = _with_timeline(status, observed, actions, tj.metadata.get("uid"))
     status.goodput = goodput.advance(tj.status, status, observed.progress, observed.now)
     return status, actions
 
 
-def _with_timeline(status: TrainingJobStatus, observed: Observed, actions: Actions) -> TrainingJobStatus:
+def _with_timeline(
+    status: TrainingJobStatus, observed: Observed, actions: Actions, uid: str | None
+) -> TrainingJobStatus:
     """Date the stages of the recovery from the last failure as they are seen happen."""
     failure = status.last_failure
     if failure is None:
         return status
     timeline = failure.timeline.model_copy()
-    current = next((js for js in observed.jobsets if js.attempt == status.attempt and not js.deleting), None)
+    current = next(
+        (js for js in observed.jobsets if js.uid == uid and js.attempt == status.attempt and not js.deleting), None
+    )
     if timeline.job_set_created is None and actions.create_attempt == status.attempt:
         timeline.job_set_created = rfc3339_precise(observed.now)
     if current is not None and timeline.detected is not None:

@@ -5,7 +5,9 @@ from __future__ import annotations
 from datetime import UTC, datetime
 from typing import Literal
 
-from .api import CheckpointRef, Condition, Phase, TrainingJobStatus
+import tpujob_contract as contract
+
+from .api import CheckpointRef, Condition, FailureRecord, Phase, TrainingJobStatus
 from .facts import Observed
 
 # One condition per phase, so `kubectl wait --for=condition=Succeeded` works and the reason of the
@@ -17,15 +19,9 @@ def rfc3339(moment: datetime) -> str:
     return moment.astimezone(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
-def rfc3339_precise(moment: datetime) -> str:
-    """With microseconds: for clocks that add up many short intervals (the goodput ledger)."""
-    return moment.astimezone(UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
-
-
-def parse_time(text: str | None) -> datetime | None:
-    if not text:
-        return None
-    return datetime.fromisoformat(text.replace("Z", "+00:00"))
+# With microseconds: for clocks that add up many short intervals (the goodput ledger, the timeline).
+rfc3339_precise = contract.format_time
+parse_time = contract.parse_time
 
 
 def set_condition(
@@ -75,3 +71,18 @@ def with_observations(status: TrainingJobStatus, observed: Observed) -> Training
             recovered = (progress.updated_at - parse_time(failure.time)).total_seconds()  # type: ignore[operator]
             update["last_failure"] = failure.model_copy(update={"recovery_seconds": round(recovered, 1)})
     return status.model_copy(update=update)
+
+
+def failure_identity(failure: FailureRecord) -> tuple[str, str, str]:
+    return failure.time, failure.kind, failure.reason
+
+
+def decided_failure(before: TrainingJobStatus, after: TrainingJobStatus) -> FailureRecord | None:
+    """The failure a reconcile decided on (a restart, or the end of the job), if any: a lastFailure
+    that is new, or one that looks like the last but was counted as another restart."""
+    failure, previous = after.last_failure, before.last_failure
+    if failure is None:
+        return None
+    if after.restarts > before.restarts or previous is None:
+        return failure
+    return failure if failure_identity(previous) != failure_identity(failure) else None
