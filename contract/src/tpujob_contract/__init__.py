@@ -43,6 +43,11 @@ class Env:
     CHECKPOINT_KEEP_LATEST: Final = "TPUJOB_CHECKPOINT_KEEP_LATEST"
     CHECKPOINT_KEEP_EVERY_STEPS: Final = "TPUJOB_CHECKPOINT_KEEP_EVERY_STEPS"
     CHECKPOINT_SAVE_ON_PREEMPTION: Final = "TPUJOB_CHECKPOINT_SAVE_ON_PREEMPTION"
+    # policy "adaptive": the step-time budget for saves, and the bounds of the interval it picks
+    CHECKPOINT_OVERHEAD_BUDGET_PERCENT: Final = "TPUJOB_CHECKPOINT_OVERHEAD_BUDGET_PERCENT"
+    CHECKPOINT_MAX_INTERVAL_SECONDS: Final = "TPUJOB_CHECKPOINT_MAX_INTERVAL_SECONDS"
+    # the operator's estimate of the job's mean time between failures (seconds), for Young/Daly
+    MTBF_SECONDS: Final = "TPUJOB_MTBF_SECONDS"
 
     @classmethod
     def names(cls) -> tuple[str, ...]:
@@ -172,6 +177,14 @@ class ProgressRecord:
     restore_finished_at: str | None = None
     first_step_at: str | None = None  # the first step of this attempt finished (compilation included)
     save_blocking_seconds: float = 0.0  # training loop blocked by checkpoint saves, this attempt, cumulative
+    # Policy "adaptive" (None otherwise): the interval between save starts in force, what bound it,
+    # the measured cost of one save (blocking + slowdown of steps while it ran in the background),
+    # the measured step-time overhead of saving so far, and the MTBF the interval was chosen for.
+    checkpoint_interval_seconds: float | None = None
+    checkpoint_interval_bound: str | None = None  # "budget", "young_daly", "min" or "max"
+    save_cost_seconds: float | None = None
+    checkpoint_overhead_percent: float | None = None
+    mtbf_seconds: float | None = None
 
 
 def format_time(moment: datetime) -> str:
