@@ -15,7 +15,7 @@ from google.api_core.retry import Retry
 from google.auth.credentials import AnonymousCredentials
 from google.cloud import storage
 
-from .facts import Progress, RestoreFailure
+from .facts import Cadence, Progress, RestoreFailure
 
 # A step directory without the commit marker is partial (a save cut short) and is skipped.
 COMMIT_MARKER = contract.COMMIT_MARKER
@@ -93,6 +93,19 @@ def parse_progress(raw: bytes) -> Progress:
         restore_finished_at=contract.parse_time(record.restore_finished_at),
         first_step_at=contract.parse_time(record.first_step_at),
         save_blocking_seconds=record.save_blocking_seconds,
+        cadence=_cadence(record),
+    )
+
+
+def _cadence(record: contract.ProgressRecord) -> Cadence | None:
+    if record.checkpoint_interval_seconds is None:
+        return None
+    return Cadence(
+        interval_seconds=record.checkpoint_interval_seconds,
+        bound=record.checkpoint_interval_bound,
+        save_cost_seconds=record.save_cost_seconds,
+        overhead_percent=record.checkpoint_overhead_percent,
+        mtbf_seconds=record.mtbf_seconds,
     )
 
 

@@ -39,6 +39,10 @@ def _resolve(node: Any, defs: dict[str, Any]) -> Any:
         node["x-kubernetes-preserve-unknown-fields"] = True
     if "const" in node:
         node["enum"] = [node.pop("const")]
+    for bound, limit in (("exclusiveMinimum", "minimum"), ("exclusiveMaximum", "maximum")):
+        if isinstance(node.get(bound), int | float) and not isinstance(node[bound], bool):
+            # JSON Schema 2020 (pydantic's gt/lt) gives the number; OpenAPI v3.0 a flag on minimum/maximum.
+            node[limit], node[bound] = node[bound], True
     if node.get("default", 0) is None:
         del node["default"]
     return node

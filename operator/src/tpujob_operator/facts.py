@@ -54,6 +54,17 @@ class RestoreFailure:
 
 
 @dataclass(frozen=True)
+class Cadence:
+    """The adaptive checkpoint policy's state, as the trainer reports it."""
+
+    interval_seconds: float | None
+    bound: str | None
+    save_cost_seconds: float | None
+    overhead_percent: float | None
+    mtbf_seconds: float | None
+
+
+@dataclass(frozen=True)
 class Progress:
     """The trainer's progress record ($TPUJOB_RUN_DIR/progress.json)."""
 
@@ -76,6 +87,7 @@ class Progress:
     last_committed_step: int | None = None
     resumed_from_step: int | None = None
     state: str = "running"
+    cadence: Cadence | None = None  # policy adaptive only
 
 
 @dataclass(frozen=True)

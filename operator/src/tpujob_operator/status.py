@@ -7,7 +7,7 @@ from typing import Literal
 
 import tpujob_contract as contract
 
-from .api import CheckpointRef, Condition, FailureRecord, Phase, TrainingJobStatus
+from .api import CheckpointCadence, CheckpointRef, Condition, FailureRecord, Phase, TrainingJobStatus
 from .facts import Observed
 
 # One condition per phase, so `kubectl wait --for=condition=Succeeded` works and the reason of the
@@ -65,6 +65,15 @@ def with_observations(status: TrainingJobStatus, observed: Observed) -> Training
             last_progress_time=rfc3339(progress.updated_at),
             resumed_from_step=restored,
         )
+        if progress.cadence is not None:
+            cadence = progress.cadence
+            update["checkpoint_cadence"] = CheckpointCadence(
+                interval_seconds=cadence.interval_seconds,
+                bound=cadence.bound,
+                save_cost_seconds=cadence.save_cost_seconds,
+                overhead_percent=cadence.overhead_percent,
+                mtbf_seconds=cadence.mtbf_seconds,
+            )
         failure = status.last_failure
         if failure is not None and failure.recovery_seconds is None and progress.step > (failure.resume_step or -1):
             # First step trained by the attempt that replaced the failed one: the failure's cost in time.
