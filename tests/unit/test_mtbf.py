@@ -36,9 +36,9 @@ def test_exposure_is_time_on_nodes_not_waiting_for_them():
             "goodput": {
                 "wallSeconds": 5000,
                 "productiveSeconds": 3000,
-                "badput": {"schedulingSeconds": 1200, "suspendedSeconds": 400, "startupSeconds": 400},
+                "badput": {"schedulingSeconds": 1200, "suspendedSeconds": 400, "queuedSeconds": 100, "startupSeconds": 300},
             },
         }
     )
-    assert exposure_seconds(status) == 5000 - 1200 - 400
-    assert job_mtbf(status) == pytest.approx((3400 + PRIOR_MTBF_SECONDS) / 3)
+    assert exposure_seconds(status) == 5000 - 1200 - 400 - 100
+    assert job_mtbf(status) == pytest.approx((3300 + PRIOR_MTBF_SECONDS) / 3)

@@ -10,7 +10,7 @@ Six hours is the prior because interruptions of large accelerator jobs are repor
 (hardware, maintenance, preemption) and of small ones far less often; a prior that is too long only
 makes a young job's interval longer, which the overhead budget still bounds from below, and a few
 failures outweigh it. Exposure is the time the job's pods held their nodes (the ledger's wall time
-without scheduling and suspension): failures come from running hardware, not from waiting for it.
+without scheduling and suspension): failures come from running hardware, not from waiting for it (or in a queue).
 """
 
 from __future__ import annotations
@@ -21,11 +21,12 @@ PRIOR_MTBF_SECONDS = 6 * 3600.0
 
 
 def exposure_seconds(status: TrainingJobStatus) -> float:
-    """Seconds the job's pods held nodes so far (goodput ledger: wall - scheduling - suspended)."""
+    """Seconds the job's pods held nodes so far (goodput ledger: wall - scheduling - queued - suspended)."""
     ledger = status.goodput
     if ledger is None:
         return 0.0
-    waiting = ledger.badput.scheduling_seconds + ledger.badput.suspended_seconds
+    badput = ledger.badput
+    waiting = badput.scheduling_seconds + badput.queued_seconds + badput.suspended_seconds
     return max(0.0, ledger.wall_seconds - waiting)
 
 
