@@ -60,8 +60,10 @@ demo: setup
 bench: venv
 	$(PY) bench/checkpoint_policies.py
 
+# Before/after in one run: the pre-issue-8 operator and trainer (a740187) alternate with this tree's.
+RECOVERY_ARGS ?= --baseline-rev a740187 --rounds 3 --failures 5
 bench-recovery: setup
-	$(PY) bench/recovery.py
+	$(PY) bench/recovery.py $(RECOVERY_ARGS)
 
 clean: down
 	rm -rf .devcluster

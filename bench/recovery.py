@@ -1,10 +1,17 @@
 """Recovery benchmark on the devcluster: how fast and how cheaply a failure is recovered, stage by stage.
 
-For each checkpoint policy (continuous vs interval) and each compile-cache setting (`--compile-cache
-on|off|both`) one TrainingJob (1 slice, v5e 2x2: one host of 4 chips, backoff 0) runs and gets N
-injected failures (SIGKILL of its worker, a crash). Per failure:
+For each checkpoint policy (continuous vs interval) and each side, one TrainingJob (1 slice, v5e 2x2:
+one host of 4 chips, backoff 0) runs and gets N injected failures (SIGKILL of its worker, a crash),
+each 4-12 s (random) after the previous recovery. A side is the trainer's compile-cache setting
+(`--compile-cache on|off|both`) and, with `--baseline-rev REV`, also the operator and trainer of an
+older revision ("baseline"), run on the same devcluster in the same run: REV is checked out into a
+temporary git worktree, its chart is installed as a second release that watches its own namespace,
+and PYTHONPATH (the chart's extraEnv for the operator, spec.env for the trainer; the pod runner maps
+both images to this venv's interpreter) puts its sources first. Sides alternate job by job and
+round by round (`--rounds`), so the machine's load drifts over both alike. Per failure:
   reaction_s  failure -> replacement pod created (the operator's reaction, JobSet + Job included)
-  recovery_s  failure -> first progress record of the new attempt past its resume step (as polled)
+  recovery_s  failure -> first progress record of the new attempt past its resume step (as polled;
+              the one end-to-end measure both sides have: the baseline trainer records no timeline)
   lost_steps  last step the trainer reported before the failure - committed step it resumed from
   stages      the recovery split into stages, on clocks precise to milliseconds: the bench's own
               (the kill, and watch events of the worker pods, the JobSets and the TrainingJob, by
@@ -15,6 +22,8 @@ injected failures (SIGKILL of its worker, a crash). Per failure:
     decision_to_jobset      that status -> replacement JobSet created (operator; backoff 0)
     operator_share          pod Failed in the API -> replacement JobSet created (the two above)
     jobset_to_scheduled     JobSet created -> every pod of it bound to a node (JobSet, Job, scheduler)
+    scheduled_to_recovered  pods bound -> the new attempt's first record past its resume step seen
+                            (bench clock: both sides have it; includes up to one progress interval)
     scheduled_to_process    pods bound -> trainer main() entered (pod start, Python + JAX imports)
     process_to_storage      main() -> storage probe passed (jax.distributed, probe)
     storage_to_restored     storage ready -> restore finished (listing, Orbax restore)
@@ -22,8 +31,10 @@ injected failures (SIGKILL of its worker, a crash). Per failure:
     total                   SIGKILL -> first step done
   timeline    the same recovery as the operator dates it in status.lastFailure.timeline (failed,
               detected, jobSetCreated, podsScheduled, restored, firstNewStep; failed, the pod's
-              finish time, has whole seconds)
-Prints one JSON object: per run p50/p90 per stage and medians. Run: `make bench-recovery`.
+              finish time, has whole seconds); the baseline has none
+Prints one JSON object: per run p50/p90/p99 per stage and medians, per side the medians over all its
+failures and the operator share's p50/p99/max with n, and each side's ratio to the first side.
+Run: `make bench-recovery` (`RECOVERY_ARGS=...` to change the flags).
 """
 
 from __future__ import annotations
@@ -33,11 +44,14 @@ import json
 import random
 import signal
 import statistics
+import subprocess
 import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -46,16 +60,21 @@ import numpy as np
 from google.auth.credentials import AnonymousCredentials
 from google.cloud import storage
 from kubernetes import client, config, watch
+from kubernetes.client.exceptions import ApiException
 from tpujob_devcluster.cluster import BUCKET, DevCluster
-from tpujob_devcluster.harness import helm_install_operator, signal_pod
+from tpujob_devcluster.controlplane import REPO_ROOT, free_port, tools_dir
+from tpujob_devcluster.harness import OPERATOR_NAMESPACE, helm_install_operator, signal_pod
 from tpujob_operator import api, checkpoints
 
 NAMESPACE = "default"
+BASELINE_NAMESPACE = "tpujob-bench-baseline"  # the baseline's jobs; its operator watches only this one
 LABEL_NAME, LABEL_ATTEMPT = f"{api.GROUP}/name", f"{api.GROUP}/attempt"
 POLICIES = ("continuous", "interval")
+SOURCES = ("operator/src", "trainer_image/src", "contract/src")  # what a revision's PYTHONPATH puts first
 STAGES = (
     "failure_visible", "detection", "decision_to_jobset", "operator_share", "jobset_to_scheduled",
-    "scheduled_to_process", "process_to_storage", "storage_to_restored", "restored_to_first_step", "total",
+    "scheduled_to_recovered", "scheduled_to_process", "process_to_storage", "storage_to_restored",
+    "restored_to_first_step", "total",
 )  # fmt: skip
 TIMELINE_STAGES = {  # status.lastFailure.timeline (failed: the pod's finish time, whole seconds)
     "failed_to_detected": ("failed", "detected"),
@@ -67,16 +86,72 @@ TIMELINE_STAGES = {  # status.lastFailure.timeline (failed: the pod's finish tim
 }
 
 
-def _manifest(name: str, policy: str, steps: int, failures: int, compile_cache: str) -> dict[str, Any]:
+@dataclass(frozen=True)
+class Side:
+    """One compared setting: whose operator and trainer (a revision, or this working tree) and the
+    trainer's compile cache. `key` names it in the JSON."""
+
+    key: str
+    namespace: str
+    compile_cache: str  # on | off (TPUJOB_COMPILATION_CACHE_DIR=off); a trainer without the cache ignores it
+    rev: str | None = None  # None: this working tree (the venv's editable installs)
+    commit: str | None = None
+    source: Path | None = None  # the revision's checkout
+
+    @property
+    def pythonpath(self) -> str | None:
+        if self.source is None:
+            return None
+        return ":".join(str(self.source / d) for d in SOURCES if (self.source / d).is_dir())
+
+    @property
+    def has_timeline(self) -> bool:
+        """Whether its operator dates lastFailure.timeline (the pre-issue-8 one does not)."""
+        chart_crd = (self.source or REPO_ROOT) / "crds" / "trainingjob.yaml"
+        return "jobSetCreated" in chart_crd.read_text()
+
+
+def plan(sides: list[Side], rounds: int) -> list[tuple[int, str, Side]]:
+    """Job order: per round, per policy, every side once; the sides' order turns each round, so no
+    side always runs first (right after a long job, or on a freshly started cluster)."""
+    order = []
+    for r in range(rounds):
+        turned = sides[r % len(sides) :] + sides[: r % len(sides)]
+        for policy in POLICIES:
+            order += [(r, policy, side) for side in turned]
+    return order
+
+
+def _git(*args: str) -> str:
+    return subprocess.run(["git", *args], cwd=REPO_ROOT, check=True, capture_output=True, text=True).stdout.strip()
+
+
+@contextmanager
+def worktree(rev: str, parent: Path) -> Iterator[tuple[str, Path]]:
+    """REV checked out (detached) under parent, removed again (and forgotten by git) on the way out."""
+    commit = _git("rev-parse", "--verify", f"{rev}^{{commit}}")
+    path = parent / f"tpujob-{commit[:12]}"
+    _git("worktree", "add", "--detach", str(path), commit)
+    try:
+        yield commit, path
+    finally:
+        subprocess.run(["git", "worktree", "remove", "--force", str(path)], cwd=REPO_ROOT, check=False)
+        subprocess.run(["git", "worktree", "prune"], cwd=REPO_ROOT, check=False)
+
+
+def _manifest(name: str, policy: str, steps: int, failures: int, side: Side) -> dict[str, Any]:
     checkpoint: dict[str, Any] = {"directory": f"gs://{BUCKET}/bench", "policy": policy}
     if policy == "interval":
         checkpoint["intervalSteps"] = 50
     # Progress twice a second, so the last reported step before a crash is close to the real one.
     env = [{"name": "TPUJOB_PROGRESS_INTERVAL_SECONDS", "value": "0.5"}]
-    if compile_cache == "off":
+    if side.compile_cache == "off":
         env.append({"name": "TPUJOB_COMPILATION_CACHE_DIR", "value": "off"})
+    if side.pythonpath:  # the trainer of that revision (images.yaml runs this venv's interpreter)
+        env.append({"name": "PYTHONPATH", "value": side.pythonpath})
     return {
-        "apiVersion": f"{api.GROUP}/{api.VERSION}", "kind": api.KIND, "metadata": {"name": name},
+        "apiVersion": f"{api.GROUP}/{api.VERSION}", "kind": api.KIND,
+        "metadata": {"name": name, "namespace": side.namespace},
         "spec": {
             "image": "tpujob-trainer:dev",
             "args": ["--model", "tiny", "--steps", str(steps), "--batch-size", "8", "--log-every", "25"],
@@ -86,6 +161,26 @@ def _manifest(name: str, policy: str, steps: int, failures: int, compile_cache: 
             "restart": {"maxRestarts": failures, "backoffSeconds": 0},
         },
     }  # fmt: skip
+
+
+def helm_install(kubeconfig: Path, side: Side, release: str, namespace: str, watch_namespace: str) -> None:
+    """A side's own chart as a release watching only its side's namespace, its sources first on the
+    operator's PYTHONPATH (the chart's extraEnv); the image maps to the local operator in images.yaml."""
+    chart = (side.source or REPO_ROOT) / "charts" / "tpujob"
+    sets = [
+        "image.repository=tpujob-operator", "image.tag=dev", f"livenessPort={free_port()}",
+        f"metrics.port={free_port()}", f"watchNamespaces={{{watch_namespace}}}",
+    ]  # fmt: skip
+    if side.pythonpath:
+        sets += ["extraEnv[0].name=PYTHONPATH", f"extraEnv[0].value={side.pythonpath}"]
+    result = subprocess.run(
+        [str(tools_dir() / "helm"), "upgrade", "--install", release, str(chart), "--namespace", namespace,
+         "--create-namespace", "--kubeconfig", str(kubeconfig), "--skip-crds", "--wait", "--timeout", "3m",
+         *[arg for value in sets for arg in ("--set", value)]],
+        check=False, capture_output=True, text=True,
+    )  # fmt: skip
+    if result.returncode != 0:
+        raise RuntimeError(f"helm install of {release} failed:\n{result.stderr}")
 
 
 def _wall(moment: str | datetime | None) -> float | None:
@@ -101,18 +196,23 @@ def _span(start: float | None, end: float | None) -> float | None:
     return round(end - start, 3) if start is not None and end is not None else None
 
 
-def _quantiles(values: Iterable[float | None]) -> dict[str, float | None]:
+def quantiles(values: Iterable[float | None]) -> dict[str, float | None]:
+    """p50/p90/p99 (numpy's linear interpolation), max and n of the known values. With n < 100 the
+    p99 lies between the two largest values: read it with n."""
     known = [v for v in values if v is not None]
     if not known:
-        return {"p50": None, "p90": None, "n": 0}
-    p50, p90 = np.percentile(known, [50, 90])
-    return {"p50": round(float(p50), 3), "p90": round(float(p90), 3), "n": len(known)}
+        return {"p50": None, "p90": None, "p99": None, "max": None, "n": 0}
+    p50, p90, p99 = np.percentile(known, [50, 90, 99])
+    return {
+        "p50": round(float(p50), 3), "p90": round(float(p90), 3), "p99": round(float(p99), 3),
+        "max": round(max(known), 3), "n": len(known),
+    }  # fmt: skip
 
 
 class Watcher:
     """Arrival times (this machine's wall clock) of what the API says about one job's objects."""
 
-    def __init__(self, kube: client.ApiClient, name: str) -> None:
+    def __init__(self, kube: client.ApiClient, name: str, namespace: str) -> None:
         self.name, self.kube = name, kube
         self.lock = threading.Lock()
         self.stopping = threading.Event()
@@ -124,16 +224,16 @@ class Watcher:
         selector = f"{LABEL_NAME}={name}"
         core, custom = client.CoreV1Api(kube), client.CustomObjectsApi(kube)
         streams: list[tuple[Callable[..., Any], tuple[Any, ...], dict[str, Any], Callable[[dict[str, Any]], None]]] = [
-            (core.list_namespaced_pod, (NAMESPACE,), {"label_selector": selector}, self._pod),
+            (core.list_namespaced_pod, (namespace,), {"label_selector": selector}, self._pod),
             (
                 custom.list_namespaced_custom_object,
-                ("jobset.x-k8s.io", "v1alpha2", NAMESPACE, "jobsets"),
+                ("jobset.x-k8s.io", "v1alpha2", namespace, "jobsets"),
                 {"label_selector": selector},
                 self._jobset,
             ),
             (
                 custom.list_namespaced_custom_object,
-                (api.GROUP, api.VERSION, NAMESPACE, api.PLURAL),
+                (api.GROUP, api.VERSION, namespace, api.PLURAL),
                 {"field_selector": f"metadata.name={name}"},
                 self._training_job,
             ),
@@ -203,8 +303,8 @@ class Bench:
             project="bench", credentials=AnonymousCredentials(), client_options={"api_endpoint": cluster.gcs.endpoint}
         )
 
-    def status(self, name: str) -> dict[str, Any]:
-        body: Any = self.custom.get_namespaced_custom_object(api.GROUP, api.VERSION, NAMESPACE, api.PLURAL, name)
+    def status(self, name: str, namespace: str) -> dict[str, Any]:
+        body: Any = self.custom.get_namespaced_custom_object(api.GROUP, api.VERSION, namespace, api.PLURAL, name)
         return dict(body.get("status") or {})
 
     def wait(self, probe: Any, timeout: float = 300.0, interval: float = 0.1) -> Any:
@@ -216,41 +316,59 @@ class Bench:
             time.sleep(interval)
         raise TimeoutError(f"benchmark step timed out after {timeout}s")
 
-    def running_worker(self, name: str, attempt: int) -> str | None:
-        pods: list[Any] = self.core.list_namespaced_pod(
-            NAMESPACE, label_selector=f"{LABEL_NAME}={name},{LABEL_ATTEMPT}={attempt}"
-        ).items
-        running = [p.metadata.name for p in pods if p.status.phase == "Running"]
+    def ensure_namespace(self, namespace: str) -> None:
+        """The namespace and its default ServiceAccount (pods are refused until it exists)."""
+        try:
+            self.core.create_namespace(client.V1Namespace(metadata=client.V1ObjectMeta(name=namespace)))
+        except ApiException as error:
+            if error.status != 409:
+                raise
+
+        def account() -> bool:
+            try:
+                self.core.read_namespaced_service_account("default", namespace)
+            except ApiException as error:
+                if error.status == 404:
+                    return False
+                raise
+            return True
+
+        self.wait(account, timeout=60.0)
+
+    def pods(self, name: str, namespace: str, attempt: int | None = None) -> list[Any]:
+        selector = f"{LABEL_NAME}={name}" + (f",{LABEL_ATTEMPT}={attempt}" if attempt is not None else "")
+        found: list[Any] = self.core.list_namespaced_pod(namespace, label_selector=selector).items
+        return found
+
+    def running_worker(self, name: str, namespace: str, attempt: int) -> str | None:
+        running = [p.metadata.name for p in self.pods(name, namespace, attempt) if p.status.phase == "Running"]
         return str(running[0]) if running else None
 
-    def pod_created(self, name: str, attempt: int) -> bool:
-        pods = self.core.list_namespaced_pod(NAMESPACE, label_selector=f"{LABEL_NAME}={name},{LABEL_ATTEMPT}={attempt}")
-        return bool(pods.items)
-
-    def timeline(self, name: str, attempt: int) -> dict[str, Any]:
+    def timeline(self, name: str, namespace: str, attempt: int) -> dict[str, Any]:
         """lastFailure.timeline once the operator dated the first new step (it polls: up to ~10 s)."""
 
         def complete() -> dict[str, Any] | None:
-            status = self.status(name)
+            status = self.status(name, namespace)
             timeline = dict((status.get("lastFailure") or {}).get("timeline") or {})
             return timeline if status.get("attempt") == attempt and timeline.get("firstNewStep") else None
 
         try:
             result: dict[str, Any] = self.wait(complete, timeout=30.0, interval=0.5)
         except TimeoutError:
-            result = dict((self.status(name).get("lastFailure") or {}).get("timeline") or {})
+            result = dict((self.status(name, namespace).get("lastFailure") or {}).get("timeline") or {})
         return result
 
     def inject_failure(
-        self, name: str, run_dir: str, attempt: int, rng: random.Random, watcher: Watcher
-    ) -> dict[str, Any]:
-        # Train a random while past the first progress of this attempt, then crash the worker.
-        self.wait(lambda: (p := checkpoints.read_progress(self.gcs, run_dir)) and p.attempt == attempt and p.step > 0)
-        time.sleep(rng.uniform(4.0, 12.0))
-        pod = self.wait(lambda: self.running_worker(name, attempt))
-        signal_pod(self.cluster.state_dir, NAMESPACE, pod, signal.SIGKILL)
+        self, name: str, side: Side, run_dir: str, attempt: int, since: float, rng: random.Random, watcher: Watcher
+    ) -> tuple[dict[str, Any], float]:
+        """Crash the worker 4-12 s (random) after `since` (the attempt's first step, as polled), wait
+        for the replacement's first step; returns the failure's record and when that step was seen."""
+        ns = side.namespace
+        time.sleep(max(0.0, since + rng.uniform(4.0, 12.0) - time.monotonic()))
+        pod = self.wait(lambda: self.running_worker(name, ns, attempt))
+        signal_pod(self.cluster.state_dir, ns, pod, signal.SIGKILL)
         failed_at, killed = time.monotonic(), time.time()
-        self.wait(lambda: self.pod_created(name, attempt + 1), interval=0.05)
+        self.wait(lambda: self.pods(name, ns, attempt + 1), interval=0.05)
         reaction = time.monotonic() - failed_at
         progress = self.wait(
             lambda: (
@@ -261,9 +379,10 @@ class Bench:
             ),
             interval=0.05,
         )
-        recovery = time.monotonic() - failed_at
-        timeline = self.timeline(name, attempt + 1)
-        failure = self.status(name)["lastFailure"]
+        recovered_at, recovered = time.monotonic(), time.time()
+        recovery = recovered_at - failed_at
+        timeline = self.timeline(name, ns, attempt + 1) if side.has_timeline else {}
+        failure = self.status(name, ns)["lastFailure"]
         visible = watcher.first_failed_pod(attempt)
         decided = watcher.failure_seen.get(attempt + 1)
         created = watcher.jobset_created.get(attempt + 1)
@@ -277,13 +396,14 @@ class Bench:
             "decision_to_jobset": _span(decided, created),
             "operator_share": _span(visible, created),
             "jobset_to_scheduled": _span(created, bound),
+            "scheduled_to_recovered": _span(bound, recovered),
             "scheduled_to_process": _span(bound, process),
             "process_to_storage": _span(process, ready),
             "storage_to_restored": _span(ready, restored),
             "restored_to_first_step": _span(restored, first),
             "total": _span(killed, first),
         }
-        return {
+        record = {
             "reaction_s": round(reaction, 2),
             "recovery_s": round(recovery, 2),
             "lost_steps": failure.get("lostSteps"),
@@ -294,110 +414,212 @@ class Bench:
                 k: _span(_wall(timeline.get(a)), _wall(timeline.get(b))) for k, (a, b) in TIMELINE_STAGES.items()
             },
         }
+        return record, recovered_at
 
-    def diagnose(self, name: str) -> None:
+    def diagnose(self, name: str, namespace: str) -> None:
         """What the job, its pods and their logs say: printed to stderr when a step times out."""
-        print(json.dumps({"status": self.status(name)}, indent=1), file=sys.stderr)
-        pods: list[Any] = self.core.list_namespaced_pod(NAMESPACE, label_selector=f"{LABEL_NAME}={name}").items
-        for pod in pods:
+        print(json.dumps({"status": self.status(name, namespace)}, indent=1), file=sys.stderr)
+        for pod in self.pods(name, namespace):
             print(f"--- pod {pod.metadata.name}: {pod.status.phase}", file=sys.stderr)
-            log = self.cluster.state_dir / "pods" / NAMESPACE / str(pod.metadata.name) / "log"
+            log = self.cluster.state_dir / "pods" / namespace / str(pod.metadata.name) / "log"
             if log.exists():
                 print("\n".join(log.read_text(errors="replace").splitlines()[-30:]), file=sys.stderr)
 
-    def run(self, policy: str, compile_cache: str, failures: int, rng: random.Random) -> dict[str, Any]:
-        name = f"bench-{policy}-cache-{compile_cache}"
-        run_dir = f"gs://{BUCKET}/bench/{NAMESPACE}/{name}"
-        watcher = Watcher(self.kube, name)
+    def run(self, name: str, policy: str, side: Side, failures: int, rng: random.Random) -> dict[str, Any]:
+        ns = side.namespace
+        run_dir = f"gs://{BUCKET}/bench/{ns}/{name}"
+        watcher = Watcher(self.kube, name, ns)
         try:
             self.custom.create_namespaced_custom_object(
-                api.GROUP, api.VERSION, NAMESPACE, api.PLURAL, _manifest(name, policy, 100000, failures, compile_cache)
+                api.GROUP, api.VERSION, ns, api.PLURAL, _manifest(name, policy, 100000, failures, side)
             )
+            records = []
             try:
-                records = [self.inject_failure(name, run_dir, attempt, rng, watcher) for attempt in range(failures)]
+                self.wait(lambda: (p := checkpoints.read_progress(self.gcs, run_dir)) and p.step > 0)
+                since = time.monotonic()
+                for attempt in range(failures):
+                    record, since = self.inject_failure(name, side, run_dir, attempt, since, rng, watcher)
+                    records.append(record)
             except Exception:
-                self.diagnose(name)
+                self.diagnose(name, ns)
                 raise
-            goodput = self.status(name).get("goodput")
-            self.custom.delete_namespaced_custom_object(api.GROUP, api.VERSION, NAMESPACE, api.PLURAL, name)
+            goodput = self.status(name, ns).get("goodput")
+            self.custom.delete_namespaced_custom_object(api.GROUP, api.VERSION, ns, api.PLURAL, name)
+            # The next job needs the one v5e node: wait for this one's pods to be gone.
+            self.wait(lambda: not self.pods(name, ns), timeout=120.0, interval=0.5)
         finally:
             watcher.stop()
         return {
             "policy": policy,
-            "compile_cache": compile_cache,
+            "side": side.key,
+            "compile_cache": side.compile_cache,
             "failures": records,
             "median_reaction_s": statistics.median(r["reaction_s"] for r in records),
             "median_recovery_s": statistics.median(r["recovery_s"] for r in records),
             "median_lost_steps": statistics.median(r["lost_steps"] or 0 for r in records),
-            "stages": {s: _quantiles(r["stages"][s] for r in records) for s in STAGES},
-            "timeline_stages": {s: _quantiles(r["timeline_stages"][s] for r in records) for s in TIMELINE_STAGES},
+            "stages": {s: quantiles(r["stages"][s] for r in records) for s in STAGES},
+            "timeline_stages": {s: quantiles(r["timeline_stages"][s] for r in records) for s in TIMELINE_STAGES},
             "goodput": goodput,
         }
 
 
-def _comparison(runs: dict[str, dict[str, dict[str, Any]]]) -> dict[str, Any]:
-    """Median over every failure of both policies, per cache setting, and on/off ratios."""
+PICKS: dict[str, Callable[[dict[str, Any]], float | None]] = {
+    "recovery_s": lambda r: r["recovery_s"],
+    "reaction_s": lambda r: r["reaction_s"],
+    "total_s": lambda r: r["stages"]["total"],
+    "restored_to_first_step_s": lambda r: r["stages"]["restored_to_first_step"],
+    "operator_share_s": lambda r: r["stages"]["operator_share"],
+}
 
-    def median(mode: str, pick: Callable[[dict[str, Any]], float | None]) -> float | None:
-        values = [v for run in runs[mode].values() for r in run["failures"] if (v := pick(r)) is not None]
+
+def comparison(runs: dict[str, dict[str, list[dict[str, Any]]]]) -> dict[str, Any]:
+    """Per side, over every failure of every policy and round: the medians, each stage's quantiles
+    (the operator share's p50/p99/max with n among them), and each side's median over the first side's.
+    `runs` is side -> policy -> that side's runs of that policy."""
+    failures = {side: [r for per in by_policy.values() for run in per for r in run["failures"]]
+                for side, by_policy in runs.items()}  # fmt: skip
+
+    def median(side: str, pick: Callable[[dict[str, Any]], float | None]) -> float | None:
+        values = [v for r in failures[side] if (v := pick(r)) is not None]
         return round(statistics.median(values), 3) if values else None
 
-    picks: dict[str, Callable[[dict[str, Any]], float | None]] = {
-        "recovery_s": lambda r: r["recovery_s"],
-        "total_s": lambda r: r["stages"]["total"],
-        "restored_to_first_step_s": lambda r: r["stages"]["restored_to_first_step"],
-        "operator_share_s": lambda r: r["stages"]["operator_share"],
+    medians = {side: {k: median(side, f) for k, f in PICKS.items()} for side in runs}
+    result: dict[str, Any] = {
+        "failures": {side: len(records) for side, records in failures.items()},
+        "median": medians,
+        "stages": {
+            side: {s: quantiles(r["stages"][s] for r in records) for s in STAGES} for side, records in failures.items()
+        },
     }
-    medians = {mode: {k: median(mode, f) for k, f in picks.items()} for mode in runs}
-    result: dict[str, Any] = {"median": medians}
-    if "on" in medians and "off" in medians:
+    sides = list(runs)
+    if len(sides) > 1:
+        first = sides[0]
+        result[f"ratio_over_{first}"] = {
+            side: {
+                k: round(value / base, 3)
+                if (value := medians[side][k]) is not None and (base := medians[first][k])
+                else None
+                for k in PICKS
+            }
+            for side in sides[1:]
+        }
+    if "on" in medians and "off" in medians:  # the earlier shape: compile cache on over off
         result["ratio_on_over_off"] = {
             k: round(on / off, 3) if (on := medians["on"][k]) is not None and (off := medians["off"][k]) else None
-            for k in picks
+            for k in PICKS
         }
     return result
+
+
+def sides_for(
+    modes: list[str], baseline: tuple[str, str, Path] | None, current: tuple[str, str, Path] | None
+) -> list[Side]:
+    """The compared sides, the baseline first. Without a baseline each cache setting is a side keyed
+    by the setting (on/off, as before); with one, the current side(s) are `current[-cache-<mode>]`."""
+    cur_rev, cur_commit, cur_source = current or (None, None, None)
+    if baseline is None:
+        return [Side(m, NAMESPACE, m, cur_rev, cur_commit, cur_source) for m in modes]
+    rev, commit, source = baseline
+    sides = [Side("baseline", BASELINE_NAMESPACE, "on", rev, commit, source)]
+    for m in modes:
+        key = "current" if len(modes) == 1 else f"current-cache-{m}"
+        sides.append(Side(key, NAMESPACE, m, cur_rev, cur_commit, cur_source))
+    return sides
 
 
 def main() -> None:
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # so that the devcluster is stopped too
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--failures", type=int, default=3, help="failures per policy and cache setting")
+    parser.add_argument("--failures", type=int, default=3, help="failures per job (one job per policy, side and round)")
+    parser.add_argument("--rounds", type=int, default=1, help="rounds of jobs; sides alternate within each")
     parser.add_argument("--seed", type=int, default=7)
     parser.add_argument(
         "--compile-cache",
         choices=["on", "off", "both"],
-        default="both",
-        help="the trainer's persistent compilation cache (off: TPUJOB_COMPILATION_CACHE_DIR=off); "
-        "both: off then on, in one run on the same cluster",
+        default=None,
+        help="the current trainer's persistent compilation cache (off: TPUJOB_COMPILATION_CACHE_DIR=off); "
+        "both: off and on, in one run on the same cluster (default: both, or on with --baseline-rev)",
     )
+    parser.add_argument(
+        "--baseline-rev",
+        help="also run this revision's operator and trainer (e.g. a740187, the code before issue 8) on the "
+        "same cluster, alternating with the current side; ratios are over it",
+    )
+    parser.add_argument("--current-rev", help="run this revision as the current side instead of the working tree")
     args = parser.parse_args()
-    modes = ["off", "on"] if args.compile_cache == "both" else [args.compile_cache]
+    mode = args.compile_cache or ("on" if args.baseline_rev else "both")
+    modes = ["off", "on"] if mode == "both" else [mode]
     rng = random.Random(args.seed)
     started = time.monotonic()
-    with tempfile.TemporaryDirectory(prefix="tpujob-bench-") as state:
-        cluster = DevCluster(Path(state)).start()
-        try:
-            helm_install_operator(cluster.kubeconfig)
-            bench = Bench(cluster)
-            runs: dict[str, dict[str, dict[str, Any]]] = {mode: {} for mode in modes}
-            for policy in POLICIES:  # off and on next to each other: the machine's load drifts
-                for mode in modes:
-                    runs[mode][policy] = bench.run(policy, mode, args.failures, rng)
-        finally:
-            cluster.stop()
+    with (
+        tempfile.TemporaryDirectory(prefix="tpujob-bench-") as temp,
+        _checkout(args.baseline_rev, Path(temp)) as baseline,
+        _checkout(args.current_rev, Path(temp)) as current,
+    ):
+        sides = sides_for(modes, baseline, current)
+        runs, cluster_seconds = _bench(sides, args.rounds, args.failures, rng, Path(temp) / "cluster")
+    by_side: dict[str, dict[str, list[dict[str, Any]]]] = {
+        s.key: {p: [r for r in runs if r["side"] == s.key and r["policy"] == p] for p in POLICIES} for s in sides
+    }
     result = {
         "benchmark": "recovery",
-        "workload": "tiny LM, 1 slice v5e 2x2 (1 host, 4 CPU devices), backoff 0, SIGKILL of the worker",
-        "failures_per_policy": args.failures,
-        "compile_cache": modes,
+        "workload": "tiny LM, 1 slice v5e 2x2 (1 host, 4 CPU devices), backoff 0, SIGKILL of the worker "
+        "4-12 s after the previous recovery, progress every 0.5 s, interval policy every 50 steps",
+        "command": " ".join(["bench/recovery.py", *sys.argv[1:]]),
+        "sides": {
+            s.key: {
+                "namespace": s.namespace,
+                "compile_cache": s.compile_cache,
+                "rev": s.rev,
+                "commit": s.commit or f"{_git('rev-parse', 'HEAD')} (working tree)",
+            }
+            for s in sides
+        },
+        "failures_per_job": args.failures,
+        "rounds": args.rounds,
         "stages": list(STAGES),
-        "runs": runs,
-        # The shape of earlier versions: per policy, the last cache setting's run.
-        "policies": runs[modes[-1]],
-        "comparison": _comparison(runs),
+        "comparison": comparison(by_side),
+        # The shape of earlier versions: side -> policy -> that policy's (first) run.
+        "runs": {side: {p: per[0] for p, per in by_policy.items() if per} for side, by_policy in by_side.items()},
+        "all_runs": runs,
+        "cluster_start_seconds": cluster_seconds,
         "wall_seconds": round(time.monotonic() - started, 1),
     }
     print(json.dumps(result, indent=2))
+
+
+@contextmanager
+def _checkout(rev: str | None, parent: Path) -> Iterator[tuple[str, str, Path] | None]:
+    if rev is None:
+        yield None
+        return
+    with worktree(rev, parent) as (commit, path):
+        yield rev, commit, path
+
+
+def _bench(
+    sides: list[Side], rounds: int, failures: int, rng: random.Random, state: Path
+) -> tuple[list[dict[str, Any]], float]:
+    t0 = time.monotonic()
+    cluster = DevCluster(state).start()
+    try:
+        bench = Bench(cluster)
+        if len({s.namespace for s in sides}) == 1 and sides[0].source is None:
+            helm_install_operator(cluster.kubeconfig)  # one operator, the chart as a user installs it
+        else:  # one release per namespace, each watching only its own side's jobs
+            for side in {s.namespace: s for s in sides}.values():
+                bench.ensure_namespace(side.namespace)
+                release = "tpujob" if side.namespace == NAMESPACE else f"tpujob-{side.key}"
+                helm_install(cluster.kubeconfig, side, release, f"{OPERATOR_NAMESPACE}-{side.key}", side.namespace)
+        cluster_seconds = round(time.monotonic() - t0, 1)
+        runs = []
+        for r, policy, side in plan(sides, rounds):
+            name = f"bench-{side.key}-{policy}-r{r}"
+            runs.append({"round": r, **bench.run(name, policy, side, failures, rng)})
+            print(f"{name}: median recovery {runs[-1]['median_recovery_s']} s", file=sys.stderr, flush=True)
+        return runs, cluster_seconds
+    finally:
+        cluster.stop()
 
 
 if __name__ == "__main__":

@@ -1,0 +1,95 @@
+"""bench/recovery.py's pure parts: the job order (sides alternate), the sides compared, the
+quantiles and the before/after comparison."""
+
+import importlib.util
+import sys
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import pytest
+
+
+def _load() -> ModuleType:
+    path = Path(__file__).resolve().parents[2] / "bench" / "recovery.py"
+    spec = importlib.util.spec_from_file_location("bench_recovery", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses resolve their module's annotations through it
+    spec.loader.exec_module(module)
+    return module
+
+
+recovery = _load()
+
+
+def _sides() -> list[Any]:
+    return list(recovery.sides_for(["on"], ("a740187", "a" * 40, Path("/tmp/old")), None))
+
+
+def test_with_a_baseline_it_comes_first_in_its_own_namespace_with_its_sources_first() -> None:
+    baseline, current = _sides()
+    assert (baseline.key, current.key) == ("baseline", "current")
+    assert baseline.namespace == recovery.BASELINE_NAMESPACE != current.namespace == recovery.NAMESPACE
+    assert current.pythonpath is None  # the working tree: the venv's editable installs
+    assert (baseline.rev, baseline.commit) == ("a740187", "a" * 40)
+
+
+def test_a_revision_puts_the_sources_it_has_on_pythonpath(tmp_path: Path) -> None:
+    (tmp_path / "operator" / "src").mkdir(parents=True)
+    (tmp_path / "trainer_image" / "src").mkdir(parents=True)  # no contract/ before issue 8
+    side = recovery.Side("baseline", "ns", "on", "old", "c" * 40, tmp_path)
+    assert side.pythonpath == f"{tmp_path}/operator/src:{tmp_path}/trainer_image/src"
+
+
+def test_without_a_baseline_the_sides_are_the_cache_settings_as_before() -> None:
+    sides = recovery.sides_for(["off", "on"], None, None)
+    assert [(s.key, s.namespace, s.compile_cache) for s in sides] == [
+        ("off", "default", "off"),
+        ("on", "default", "on"),
+    ]
+
+
+def test_sides_alternate_within_a_policy_and_turn_each_round() -> None:
+    baseline, current = _sides()
+    order = [(r, policy, side.key) for r, policy, side in recovery.plan([baseline, current], 2)]
+    assert order == [
+        (0, "continuous", "baseline"), (0, "continuous", "current"),
+        (0, "interval", "baseline"), (0, "interval", "current"),
+        (1, "continuous", "current"), (1, "continuous", "baseline"),
+        (1, "interval", "current"), (1, "interval", "baseline"),
+    ]  # fmt: skip
+
+
+def test_quantiles_skip_unknown_values_and_say_n() -> None:
+    q = recovery.quantiles([None, *[float(v) for v in range(1, 31)]])
+    assert q["n"] == 30 and q["p50"] == 15.5 and q["max"] == 30.0
+    assert 29.0 < q["p99"] < 30.0  # with n = 30 the p99 lies between the two largest
+    assert recovery.quantiles([None]) == {"p50": None, "p90": None, "p99": None, "max": None, "n": 0}
+
+
+def _failure(recovery_s: float, share: float | None) -> dict[str, Any]:
+    stages = dict.fromkeys(recovery.STAGES)
+    stages["operator_share"] = share
+    return {"recovery_s": recovery_s, "reaction_s": 0.3, "stages": stages}
+
+
+def test_comparison_pools_every_policy_and_round_per_side_and_divides_by_the_first_side() -> None:
+    runs = {
+        "baseline": {
+            "continuous": [{"failures": [_failure(10.0, 0.5), _failure(12.0, 0.7)]}],
+            "interval": [{"failures": [_failure(8.0, 0.6)]}, {"failures": [_failure(9.0, None)]}],
+        },
+        "current": {
+            "continuous": [{"failures": [_failure(4.0, 0.2), _failure(5.0, 0.1)]}],
+            "interval": [{"failures": [_failure(6.0, 0.3)]}, {"failures": [_failure(3.0, 0.2)]}],
+        },
+    }
+    result = recovery.comparison(runs)
+    assert result["failures"] == {"baseline": 4, "current": 4}
+    assert result["median"]["baseline"]["recovery_s"] == 9.5
+    assert result["median"]["current"]["recovery_s"] == 4.5
+    assert result["ratio_over_baseline"]["current"]["recovery_s"] == pytest.approx(4.5 / 9.5, abs=1e-3)
+    share = result["stages"]["baseline"]["operator_share"]
+    assert (share["n"], share["p50"], share["max"]) == (3, 0.6, 0.7)
+    assert result["median"]["current"]["total_s"] is None  # no trainer timeline in these records
