@@ -1,20 +1,25 @@
 #!/usr/bin/env bash
 # Build the real control-plane binaries from the Go module proxy, cached by version outside the repo.
 #   devcluster/build.sh            -> prints the bin directory on stdout (last line)
-# Components: etcd, kube-apiserver, kube-controller-manager, kube-scheduler, jobset controller, kwok.
+# Components: etcd, kube-apiserver, kube-controller-manager, kube-scheduler, jobset controller, kwok,
+# and Kueue (optional in the devcluster, built all the same so a clean clone has everything).
 # Versions are pinned here; the cache key is the version set, so a bump rebuilds into a new folder.
+# Kueue has its own versioned folder (a bump rebuilds only Kueue), linked from the bin folder as
+# kueue/: its manager binary, its CRDs and its webhook configurations, copied from the module.
 set -euo pipefail
 
 K8S_VERSION="${K8S_VERSION:-v1.35.4}"
 ETCD_VERSION="${ETCD_VERSION:-v3.6.5}"
 JOBSET_VERSION="${JOBSET_VERSION:-v0.11.0}"
 KWOK_VERSION="${KWOK_VERSION:-v0.7.0}"
-COMPONENTS="${COMPONENTS:-etcd kube-apiserver kube-controller-manager kube-scheduler jobset kwok}"
+KUEUE_VERSION="${KUEUE_VERSION:-v0.17.0}"
+COMPONENTS="${COMPONENTS:-etcd kube-apiserver kube-controller-manager kube-scheduler jobset kwok kueue}"
 
 CACHE_ROOT="${TPUJOB_CACHE:-$HOME/.cache/tpujob}"
 KEY="k8s-${K8S_VERSION}_etcd-${ETCD_VERSION}_jobset-${JOBSET_VERSION}_kwok-${KWOK_VERSION}"
 BIN="$CACHE_ROOT/bin/$KEY"
 SRC="$CACHE_ROOT/src/$KEY"
+KUEUE_BIN="$CACHE_ROOT/bin/kueue-${KUEUE_VERSION}"
 mkdir -p "$BIN" "$SRC"
 # Go's own caches live in the same versioned root so CI can keep them between runs.
 export GOMODCACHE="${GOMODCACHE:-$CACHE_ROOT/go/mod}"
@@ -119,7 +124,38 @@ build_one() {
   log "built $name in $((SECONDS - start))s"
 }
 
-for c in $COMPONENTS; do build_one "$c"; done
+# Kueue's manager (a large build: every integration Kueue ships is linked in), then its CRDs (one
+# file) and webhook configurations from the same module version.
+build_kueue() {
+  local dir="$CACHE_ROOT/src/kueue-${KUEUE_VERSION}"
+  mkdir -p "$KUEUE_BIN" "$dir"
+  if [ ! -x "$KUEUE_BIN/manager" ]; then
+    local start=$SECONDS
+    log "building kueue ${KUEUE_VERSION}"
+    if [ ! -f "$dir/go.sum" ]; then
+      printf 'module tpujob.dev/devcluster/kueue\ngo 1.25\nrequire sigs.k8s.io/kueue %s\n' "$KUEUE_VERSION" > "$dir/go.mod"
+      printf '//go:build tools\n\npackage tools\n\nimport _ "sigs.k8s.io/kueue/cmd/kueue"\n' > "$dir/tools.go"
+      (cd "$dir" && go mod tidy >/dev/null)
+    fi
+    (cd "$dir" && go build -trimpath \
+      -ldflags "-s -w -X sigs.k8s.io/kueue/pkg/version.GitVersion=${KUEUE_VERSION}" \
+      -o "$KUEUE_BIN/manager.tmp" sigs.k8s.io/kueue/cmd/kueue)
+    mv "$KUEUE_BIN/manager.tmp" "$KUEUE_BIN/manager"
+    log "built kueue in $((SECONDS - start))s"
+  fi
+  if [ ! -f "$KUEUE_BIN/crds.yaml" ] || [ ! -f "$KUEUE_BIN/webhooks.yaml" ]; then
+    (cd "$dir" && go mod download -json "sigs.k8s.io/kueue@${KUEUE_VERSION}" >/dev/null)
+    local config="$GOMODCACHE/sigs.k8s.io/kueue@${KUEUE_VERSION}/config/components"
+    for crd in "$config"/crd/bases/*.yaml; do echo "---"; cat "$crd"; done > "$KUEUE_BIN/crds.yaml.tmp"
+    mv "$KUEUE_BIN/crds.yaml.tmp" "$KUEUE_BIN/crds.yaml"
+    install -m 0644 "$config/webhook/manifests.yaml" "$KUEUE_BIN/webhooks.yaml"
+  fi
+  ln -sfn "$KUEUE_BIN" "$BIN/kueue"
+}
+
+for c in $COMPONENTS; do
+  if [ "$c" = kueue ]; then build_kueue; else build_one "$c"; fi
+done
 # The JobSet CRD and webhook configurations ship in the JobSet module: copy them next to the binaries.
 if [ ! -f "$BIN/jobset-crd.yaml" ] || [ ! -f "$BIN/jobset-webhooks.yaml" ]; then
   (cd "$SRC" && go mod download -json "sigs.k8s.io/jobset@${JOBSET_VERSION}" >/dev/null)
