@@ -1,6 +1,7 @@
 """The local simulated GKE TPU cluster: the control plane plus kube-scheduler, the JobSet controller
 (with its webhooks served locally), kwok for node objects and heartbeats, TPU node pools labelled as
-GKE labels them, the GCS emulator with a bucket, and the pod runner.
+GKE labels them, the GCS emulator with a bucket, the pod runner and, optionally, Kueue with the
+queues of examples/kueue/ (see kueue.py).
 
 `make up` / `make down` drive it through `python -m tpujob_devcluster`; the e2e tests use it
 directly. Everything listens on 127.0.0.1 only.
@@ -15,6 +16,7 @@ import shutil
 import signal
 import sys
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -25,6 +27,7 @@ from tpujob_operator.tpu import SliceShape, slice_shape
 from .certs import issue_serving_cert
 from .controlplane import REPO_ROOT, Component, ControlPlane, build_binaries, free_port, http_ok
 from .fakegcs import FakeGcsServer, start_fake_gcs
+from .kueue import Kueue
 from .podrunner import NODE_LABEL
 
 DEFAULT_STATE_DIR = REPO_ROOT / ".devcluster"
@@ -127,11 +130,21 @@ def jobset_webhooks(bin_dir: Path, port: int, ca_bundle: str) -> list[dict[str, 
 
 class DevCluster:
     def __init__(
-        self, state_dir: Path = DEFAULT_STATE_DIR, pools_file: Path = POOLS_FILE, detached: bool = False
+        self,
+        state_dir: Path = DEFAULT_STATE_DIR,
+        pools_file: Path = POOLS_FILE,
+        detached: bool = False,
+        kueue: bool = False,
+        kueue_tpu_quota: int | Mapping[str, int] | None = None,
     ) -> None:
-        """detached: outlive this process (`make up`); otherwise stop() or this process's exit ends it."""
+        """detached: outlive this process (`make up`); otherwise stop() or this process's exit ends it.
+        kueue: run Kueue and create its queues, with `kueue_tpu_quota` TPU chips per flavor (see
+        kueue.queue_manifests; default: the chips of the pools); set_kueue_quota() changes it later."""
         self.state_dir = state_dir
         self.detached = detached
+        self.kueue_enabled = kueue
+        self.kueue_tpu_quota = kueue_tpu_quota
+        self.kueue: Kueue | None = None
         self.pools, self.system_nodes = load_pools(pools_file)
         self.bin_dir = build_binaries()
         self.plane = ControlPlane(workdir=state_dir, bin_dir=self.bin_dir, service_account_admission=True)
@@ -155,6 +168,9 @@ class DevCluster:
         self.plane.apply_crd(REPO_ROOT / "crds" / "trainingjob.yaml")
         self._start_scheduler(timeout)
         self._start_jobset(timeout)
+        if self.kueue_enabled:
+            self.kueue = Kueue(self.plane, self.bin_dir / "kueue", self.state_dir, self.pools)
+            self.kueue.start(timeout, self.kueue_tpu_quota)
         self._start_kwok_and_nodes(timeout)
         self.gcs = start_fake_gcs(self.state_dir / "gcs", die_with_parent=not self.detached)
         self.gcs.create_bucket(BUCKET)
@@ -272,6 +288,13 @@ class DevCluster:
         )
         self.plane.launch(runner, lambda: True, timeout)
 
+    def set_kueue_quota(self, tpu_quota: int | Mapping[str, int] | None) -> None:
+        """The ClusterQueue's `google.com/tpu` quota: chips per flavor (an int: every flavor; a mapping
+        by flavor name, e.g. kueue.flavor_name("tpu-v5p-slice", "2x2x2"); None: the pools' chips)."""
+        if self.kueue is None:
+            raise RuntimeError("this devcluster runs without Kueue (DevCluster(kueue=True))")
+        self.kueue.apply_queues(tpu_quota)
+
     def kill_gcs(self) -> None:
         """Crash the GCS emulator (SIGKILL); restart_gcs() brings it back with the same objects."""
         assert self.gcs is not None
@@ -295,6 +318,7 @@ class DevCluster:
             "gcs": self.gcs.endpoint if self.gcs else None,
             "bucket": BUCKET,
             "api": self.plane.server,
+            "kueue": self.kueue is not None,
         }
         (self.state_dir / "state.json").write_text(json.dumps(state, indent=2))
 
