@@ -154,6 +154,7 @@ def test_the_devcluster_applies_the_example_queues() -> None:
     assert all(q["cpu"] == "1000" for q in quotas)
 
 
+@pytest.mark.slow  # its devcluster starts in 20-60 s (machine load)
 def test_kueue_admits_within_quota_queues_beyond_it_and_preempts_lower_priority(kueue_cluster: DevCluster) -> None:
     api = Api(kueue_cluster)
     queue = {QUEUE_LABEL: LOCAL_QUEUE}
