@@ -41,9 +41,10 @@ def devcluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DevCluster]
     state = tmp_path_factory.mktemp("devcluster")
     pools = state / "pools.yaml"
     pools.write_text(yaml.safe_dump(E2E_POOLS))
-    cluster = DevCluster(state, pools).start()
+    # Kueue runs for every e2e test: jobs without its queue label must behave exactly as without it.
+    cluster = DevCluster(state, pools, kueue=True).start()
     try:
-        helm_install_operator(cluster.kubeconfig)
+        helm_install_operator(cluster.kubeconfig, "kueue.enabled=true")
         yield cluster
     finally:
         cluster.stop()

@@ -166,6 +166,7 @@ def test_goodput_gauges_match_the_status(metrics):
         "wasted_progress": badput.wasted_progress_seconds,
         "infrastructure_recovery": badput.infrastructure_recovery_seconds,
         "suspended": badput.suspended_seconds,
+        "queued": badput.queued_seconds,
     }
     assert status.goodput.productive_seconds + sum(by_cause.values()) == status.goodput.wall_seconds
 

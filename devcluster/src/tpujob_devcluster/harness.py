@@ -13,14 +13,15 @@ from .controlplane import REPO_ROOT, free_port, tools_dir
 OPERATOR_NAMESPACE = "tpujob-system"
 
 
-def helm_install_operator(kubeconfig: Path) -> None:
-    """The chart as a user installs it; the image name maps to the local operator in images.yaml."""
+def helm_install_operator(kubeconfig: Path, *values: str) -> None:
+    """The chart as a user installs it; the image name maps to the local operator in images.yaml.
+    `values`: more `--set` assignments (key=value)."""
     result = subprocess.run(
         [str(tools_dir() / "helm"), "upgrade", "--install", "tpujob", str(REPO_ROOT / "charts" / "tpujob"),
          "--namespace", OPERATOR_NAMESPACE, "--create-namespace", "--kubeconfig", str(kubeconfig),
          "--set", "image.repository=tpujob-operator", "--set", "image.tag=dev",
          "--set", f"livenessPort={free_port()}", "--set", f"metrics.port={free_port()}",
-         "--wait", "--timeout", "3m"],
+         *(arg for value in values for arg in ("--set", value)), "--wait", "--timeout", "3m"],
         check=False, capture_output=True, text=True,
     )  # fmt: skip
     if result.returncode != 0:

@@ -45,6 +45,9 @@ class JobSetFacts:
     suspended_by_operator: bool = False  # the operator's own suspension (spec.suspend), not a queue's
     resuming: bool = False  # spec.suspend is false but the JobSet controller has not resumed it yet
     pod_creation_refused: str | None = None  # why the Job controller could not create a worker pod
+    queue_name: str | None = None  # Kueue's LocalQueue (label): Kueue, not the operator, suspends and resumes it
+    admitted_at: datetime | None = None  # Kueue admitted its Workload (None: waiting, or no Kueue)
+    queue_reason: str | None = None  # why Kueue has not admitted it (or evicted it), as Kueue says
 
 
 @dataclass(frozen=True)
@@ -100,6 +103,7 @@ class Observed:
     # Worker pods left by an earlier TrainingJob of the same name (deleted with --cascade=orphan):
     # this incarnation starts only once they are gone, since both would write one run directory.
     foreign_pods: int = 0
+    queue_name: str | None = None  # the Kueue LocalQueue the job's attempts go to (None: no Kueue)
 
 
 @dataclass(frozen=True)
@@ -116,6 +120,8 @@ class Actions:
     create_attempt: int | None = None
     resume_step: int | None = None
     delete: list[str] = field(default_factory=list)
+    # JobSets to delete with their pods' own grace, so that the workers save on SIGTERM (a suspension)
+    stop: list[str] = field(default_factory=list)
     set_suspend: tuple[str, bool] | None = None
     events: list[Event] = field(default_factory=list)
     requeue_after: float | None = None

@@ -30,6 +30,7 @@ Cause = Literal[
     "wasted_progress",
     "infrastructure_recovery",
     "suspended",
+    "queued",
 ]
 _STAGE_CAUSE: dict[Stage, Cause] = {
     "Scheduling": "scheduling",
@@ -37,6 +38,7 @@ _STAGE_CAUSE: dict[Stage, Cause] = {
     "Training": "productive",
     "BackingOff": "infrastructure_recovery",
     "Suspended": "suspended",
+    "Queued": "queued",
 }
 _TERMINAL = ("Succeeded", "Failed")
 

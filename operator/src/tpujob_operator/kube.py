@@ -37,6 +37,8 @@ REQUEST_TIMEOUT_SECONDS = 30
 # 14 s of a 32 s recovery at 15 s of grace).
 FAILED_ATTEMPT_GRACE_SECONDS = 5
 JOBSET_NAME_LABEL = "jobset.sigs.k8s.io/jobset-name"
+KUEUE_GROUP, KUEUE_VERSION = "kueue.x-k8s.io", "v1beta2"
+KUEUE_JOB_UID_LABEL = "kueue.x-k8s.io/job-uid"
 
 
 def load_config() -> None:
@@ -116,8 +118,28 @@ def expected_pods(jobset: dict[str, Any]) -> int:
     )
 
 
+def workload_admission(workload: dict[str, Any]) -> tuple[datetime | None, str | None]:
+    """Kueue's word on a Workload: when it was admitted (None while it is not), and why it waits or
+    was evicted (the message of its newest False QuotaReserved/Admitted or True Evicted condition)."""
+    conditions = (workload.get("status") or {}).get("conditions") or []
+    admitted = _condition(conditions, "Admitted")
+    if admitted is not None:
+        return parse_time(admitted.get("lastTransitionTime")), None
+    telling = [
+        c
+        for c in conditions
+        if (c.get("type") in ("QuotaReserved", "Admitted") and c.get("status") == "False")
+        or (c.get("type") in ("Evicted", "Preempted") and c.get("status") == "True")
+    ]
+    newest = max(telling, key=lambda c: str(c.get("lastTransitionTime") or ""), default=None)
+    return None, (str(newest.get("message") or newest.get("reason") or "") or None) if newest else None
+
+
 def jobset_facts(
-    jobset: dict[str, Any], pods: list[dict[str, Any]], pod_creation_refused: str | None = None
+    jobset: dict[str, Any],
+    pods: list[dict[str, Any]],
+    pod_creation_refused: str | None = None,
+    admission: tuple[datetime | None, str | None] = (None, None),
 ) -> JobSetFacts:
     meta = jobset["metadata"]
     state, condition = jobset_state(jobset)
@@ -141,6 +163,9 @@ def jobset_facts(
         suspended_by_operator=annotations.get(ANNOTATION_SUSPENDED) == "true",
         resuming=state == "Active" and _condition(conditions, "Suspended") is not None,
         pod_creation_refused=pod_creation_refused,
+        queue_name=(meta.get("labels") or {}).get(api.QUEUE_LABEL),
+        admitted_at=admission[0],
+        queue_reason=admission[1],
     )
 
 
@@ -195,6 +220,24 @@ class Cluster:
         newest = max(mine, key=lambda e: str(e.last_timestamp or e.event_time or e.metadata.creation_timestamp))
         return str(newest.message or "the Job controller could not create a worker pod")
 
+    def workload_of(self, namespace: str, jobset_uid: str) -> dict[str, Any] | None:
+        """Kueue's Workload for a JobSet (label kueue.x-k8s.io/job-uid); None without Kueue or RBAC for it."""
+        try:
+            found = self.custom.list_namespaced_custom_object(
+                KUEUE_GROUP,
+                KUEUE_VERSION,
+                namespace,
+                "workloads",
+                label_selector=f"{KUEUE_JOB_UID_LABEL}={jobset_uid}",
+                _request_timeout=REQUEST_TIMEOUT_SECONDS,
+            )
+        except ApiException as error:
+            if error.status in (403, 404):  # Kueue not installed, or the chart did not grant it
+                return None
+            raise
+        items = list(cast(dict[str, Any], found).get("items", []))
+        return max(items, key=lambda w: str(w["metadata"].get("creationTimestamp", "")), default=None)
+
     def replace_status(self, body: dict[str, Any], status: dict[str, Any]) -> dict[str, Any]:
         """Write the whole status (no stale nested fields survive) on the object as it was read: its
         resourceVersion makes the apiserver refuse the write if anyone changed it since (Conflict)."""
@@ -244,18 +287,20 @@ class Cluster:
                 return False
             raise
 
-    def delete_jobset(self, namespace: str, name: str) -> None:
-        """Tear down a finished attempt: the JobSet (Jobs follow by owner reference) and, with a short
-        grace, its pods. Workers of a failed attempt are usually stuck in a collective with a dead
-        peer; left to the pod template's long grace (meant for a preemption save) they would hold
-        their node pools and keep the replacement from scheduling for minutes."""
+    def delete_jobset(self, namespace: str, name: str, save: bool = False) -> None:
+        """Tear down an attempt: the JobSet (Jobs and pods follow by owner reference) and, unless the
+        workers are to save on SIGTERM (`save`), its pods with a short grace. Workers of a failed
+        attempt are usually stuck in a collective with a dead peer; left to the pod template's long
+        grace (meant for a preemption save) they would hold their node pools and keep the
+        replacement from scheduling for minutes."""
         try:
-            self.core.delete_collection_namespaced_pod(
-                namespace,
-                label_selector=f"{JOBSET_NAME_LABEL}={name}",
-                grace_period_seconds=FAILED_ATTEMPT_GRACE_SECONDS,
-                _request_timeout=REQUEST_TIMEOUT_SECONDS,
-            )
+            if not save:
+                self.core.delete_collection_namespaced_pod(
+                    namespace,
+                    label_selector=f"{JOBSET_NAME_LABEL}={name}",
+                    grace_period_seconds=FAILED_ATTEMPT_GRACE_SECONDS,
+                    _request_timeout=REQUEST_TIMEOUT_SECONDS,
+                )
         except ApiException as error:
             if error.status != 404:
                 raise

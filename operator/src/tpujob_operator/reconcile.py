@@ -16,7 +16,7 @@ import dataclasses
 from datetime import datetime
 
 from . import goodput
-from .api import FailureRecord, FailureTimeline, Phase, Stage, TrainingJob, TrainingJobStatus
+from .api import FailureRecord, FailureTimeline, Phase, QueueStatus, Stage, TrainingJob, TrainingJobStatus
 from .facts import Actions, Event, JobSetFacts, Observed, PodFacts
 from .jobset import jobset_name
 from .restarts import (
@@ -51,9 +51,30 @@ def reconcile(tj: TrainingJob, observed: Observed) -> tuple[TrainingJobStatus, A
     if tj.status.start_time is None:
         tj = tj.model_copy(update={"status": tj.status.model_copy(update={"start_time": rfc3339(observed.now)})})
     status, actions = _decide(tj, observed)
+    status = _with_queue(status, observed, tj.metadata.get("uid"))
     status = _with_timeline(status, observed, actions, tj.metadata.get("uid"))
     status.goodput = goodput.advance(tj.status, status, observed.progress, observed.now)
     return status, actions
+
+
+def _current(status: TrainingJobStatus, observed: Observed, uid: str | None) -> JobSetFacts | None:
+    return next(
+        (js for js in observed.jobsets if js.uid == uid and js.attempt == status.attempt and not js.deleting), None
+    )
+
+
+def _with_queue(status: TrainingJobStatus, observed: Observed, uid: str | None) -> TrainingJobStatus:
+    """status.queue: the current attempt's Kueue admission (jobs with a queue only)."""
+    current = _current(status, observed, uid)
+    name = current.queue_name if current is not None else observed.queue_name
+    if not name or status.phase in TERMINAL_PHASES:
+        return status.model_copy(update={"queue": None if not name else status.queue})
+    if current is None or current.state == "Suspended" or current.resuming:
+        queue = QueueStatus(name=name, admitted=False, reason=current.queue_reason if current else None)
+    else:
+        admitted_at = current.admitted_at or current.resumed_at
+        queue = QueueStatus(name=name, admitted=True, admission_time=rfc3339(admitted_at) if admitted_at else None)
+    return status.model_copy(update={"queue": queue})
 
 
 def _with_timeline(
@@ -64,9 +85,7 @@ def _with_timeline(
     if failure is None:
         return status
     timeline = failure.timeline.model_copy()
-    current = next(
-        (js for js in observed.jobsets if js.uid == uid and js.attempt == status.attempt and not js.deleting), None
-    )
+    current = _current(status, observed, uid)
     if timeline.job_set_created is None and actions.create_attempt == status.attempt:
         timeline.job_set_created = rfc3339_precise(observed.now)
     if current is not None and timeline.detected is not None:
@@ -108,6 +127,9 @@ def _decide(tj: TrainingJob, observed: Observed) -> tuple[TrainingJobStatus, Act
     if foreign:
         return _remove_foreign(tj, status, observed, actions, foreign)
     if current is None:
+        if observed.queue_name and tj.spec.suspend:  # Kueue would admit a suspended JobSet: create none
+            actions.requeue_after = POLL_SECONDS
+            return _enter(status, "Suspended", "Suspended", "spec.suspend is true", "Suspended", now), actions
         return _without_jobset(tj, status, observed, actions)
     if current.state == "Completed":
         status.completion_time = rfc3339(now)
@@ -246,6 +268,8 @@ def _suspension(
 ) -> tuple[TrainingJobStatus, Actions]:
     now = observed.now
     actions.requeue_after = POLL_SECONDS
+    if current.queue_name:
+        return _queued(tj, status, observed, actions, current)
     if tj.spec.suspend:
         if current.state != "Suspended" or not current.suspended_by_operator:
             actions.set_suspend = (current.name, True)
@@ -271,6 +295,39 @@ def _suspension(
         actions.delete.append(current.name)
     actions.events.append(Event("Normal", "Resumed", "spec.suspend is false: resuming"))
     return _enter(status, "Pending", "Resuming", "resuming after suspension", "Scheduling", now), actions
+
+
+def _queued(
+    tj: TrainingJob, status: TrainingJobStatus, observed: Observed, actions: Actions, current: JobSetFacts
+) -> tuple[TrainingJobStatus, Actions]:
+    """A JobSet that Kueue manages: Kueue alone suspends and resumes it; the operator never does.
+
+    spec.suspend still wins: Kueue would resume a JobSet the operator suspended, so the operator
+    deletes it instead (its workers save on SIGTERM) and queues the next attempt once the job is
+    resumed. A JobSet Kueue suspended waits for admission, or was preempted (its workers saved on
+    SIGTERM): neither is a failure, and the same JobSet resumes from the latest committed step.
+    """
+    now = observed.now
+    queue = current.queue_name
+    if tj.spec.suspend:
+        status.attempt += 1
+        status.job_set_name = jobset_name(tj.name, status.attempt)
+        actions.stop.append(current.name)
+        actions.events.append(Event("Normal", "Suspended", f"deleted JobSet {current.name}; checkpoints are kept"))
+        return _enter(status, "Suspended", "Suspended", "spec.suspend is true", "Suspended", now), actions
+    if current.resuming:
+        message = f"Kueue admitted JobSet {current.name} from queue {queue}; it is resuming"
+        return _enter(status, "Pending", "Resuming", message, "Queued", now), actions
+    why = f": {current.queue_reason}" if current.queue_reason else ""
+    was_admitted = tj.status.queue is not None and tj.status.queue.admitted
+    if was_admitted:
+        actions.events.append(
+            Event("Normal", "Preempted", f"Kueue suspended JobSet {current.name}{why}; it resumes when re-admitted")
+        )
+    elif _phase_reason(status) != "Queued":
+        actions.events.append(Event("Normal", "Queued", f"JobSet {current.name} waits in Kueue queue {queue}"))
+    message = f"waiting in Kueue queue {queue} for admission{why}"
+    return _enter(status, "Pending", "Queued", message, "Queued", now), actions
 
 
 def _without_pods_from_before_resume(current: JobSetFacts) -> JobSetFacts:
