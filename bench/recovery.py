@@ -33,7 +33,8 @@ round by round (`--rounds`), so the machine's load drifts over both alike. Per f
               detected, jobSetCreated, podsScheduled, restored, firstNewStep; failed, the pod's
               finish time, has whole seconds); the baseline has none
 Prints one JSON object: per run p50/p90/p99 per stage and medians, per side the medians over all its
-failures and the operator share's p50/p99/max with n, and each side's ratio to the first side.
+failures and the operator share's p50/p99/max with n, each side's ratio to the first side, and the
+median of the per-round, per-policy ratios (jobs run back to back).
 Run: `make bench-recovery` (`RECOVERY_ARGS=...` to change the flags).
 """
 
@@ -511,6 +512,22 @@ def comparison(runs: dict[str, dict[str, list[dict[str, Any]]]]) -> dict[str, An
     return result
 
 
+def paired_ratios(runs: list[dict[str, Any]], first: str) -> dict[str, Any]:
+    """Each side's job-median recovery over the first side's job of the same round and policy (the
+    two ran back to back, under nearly the same load), and the median of those ratios: a comparison
+    that the machine's load drifting over the run moves less than the pooled medians."""
+    base = {(r["round"], r["policy"]): r["median_recovery_s"] for r in runs if r["side"] == first}
+    result: dict[str, Any] = {}
+    for side in dict.fromkeys(r["side"] for r in runs if r["side"] != first):
+        pairs = {
+            f"r{r['round']}-{r['policy']}": round(r["median_recovery_s"] / b, 3)
+            for r in runs
+            if r["side"] == side and (b := base.get((r["round"], r["policy"])))
+        }
+        result[side] = {"pairs": pairs, "median": round(statistics.median(pairs.values()), 3) if pairs else None}
+    return result
+
+
 def sides_for(
     modes: list[str], baseline: tuple[str, str, Path] | None, current: tuple[str, str, Path] | None
 ) -> list[Side]:
@@ -579,6 +596,7 @@ def main() -> None:
         "rounds": args.rounds,
         "stages": list(STAGES),
         "comparison": comparison(by_side),
+        f"paired_recovery_ratio_over_{sides[0].key}": paired_ratios(runs, sides[0].key),
         # The shape of earlier versions: side -> policy -> that policy's (first) run.
         "runs": {side: {p: per[0] for p, per in by_policy.items() if per} for side, by_policy in by_side.items()},
         "all_runs": runs,

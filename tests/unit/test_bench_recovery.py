@@ -93,3 +93,18 @@ def test_comparison_pools_every_policy_and_round_per_side_and_divides_by_the_fir
     share = result["stages"]["baseline"]["operator_share"]
     assert (share["n"], share["p50"], share["max"]) == (3, 0.6, 0.7)
     assert result["median"]["current"]["total_s"] is None  # no trainer timeline in these records
+
+
+def test_paired_ratios_divide_each_job_by_the_first_sides_job_of_the_same_round_and_policy() -> None:
+    def job(r: int, policy: str, side: str, median: float) -> dict[str, Any]:
+        return {"round": r, "policy": policy, "side": side, "median_recovery_s": median}
+
+    runs = [
+        job(0, "continuous", "baseline", 10.0), job(0, "continuous", "current", 4.0),
+        job(0, "interval", "baseline", 8.0), job(0, "interval", "current", 4.0),
+        job(1, "continuous", "current", 3.0), job(1, "continuous", "baseline", 20.0),
+    ]  # fmt: skip
+    result = recovery.paired_ratios(runs, "baseline")
+    assert result == {
+        "current": {"pairs": {"r0-continuous": 0.4, "r0-interval": 0.5, "r1-continuous": 0.15}, "median": 0.4}
+    }
