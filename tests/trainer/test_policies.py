@@ -22,8 +22,11 @@ import pytest
 from orbax.checkpoint import checkpoint_managers as cm
 from tpujob_contract import FRESH, LATEST, Resume
 from tpujob_trainer.checkpointing import (
+    HOLD_SECONDS,
+    AdaptivePolicy,
     CheckpointManager,
     PreemptionNotice,
+    adaptive_policy,
     choose_restore_step,
     manager_options,
     preservation_policy,
@@ -80,6 +83,34 @@ def test_policy_construction_follows_the_contract() -> None:
     keep = preservation_policy(_cfg(keep_latest=2, keep_every_steps=10))
     assert [type(p) for p in keep.policies] == [cm.LatestN, cm.EveryNSteps]
     assert [type(p) for p in preservation_policy(_cfg()).policies] == [cm.LatestN]
+
+
+def test_adaptive_policy_is_a_held_continuous_policy_the_trainer_can_move() -> None:
+    options = manager_options(_cfg(policy="adaptive"))
+    policy = adaptive_policy(options)
+    assert isinstance(policy, AdaptivePolicy) and isinstance(policy, cm.ContinuousCheckpointingPolicy)
+    assert policy.minimum_interval_secs == HOLD_SECONDS
+    decision = options.save_decision_policy
+    assert [type(p) for p in decision.policies] == [AdaptivePolicy, cm.PreemptionCheckpointingPolicy]
+    assert adaptive_policy(manager_options(_cfg())) is None
+
+
+def test_adaptive_policy_saves_when_the_trainer_says_and_not_before(tmp_path: Path) -> None:
+    options = manager_options(_cfg(policy="adaptive"))
+    policy = adaptive_policy(options)
+    assert policy is not None
+    state = {"w": jnp.ones((1024,), jnp.float32)}
+    with CheckpointManager(str(tmp_path), options, PreemptionNotice(distributed=False)) as mngr:
+        # Held: nothing is saved, although nothing is committed (Orbax's own policy would save at once).
+        assert not any(mngr.save(step, args=ocp.args.StandardSave(state)) for step in (1, 2, 3))
+        policy.minimum_interval_secs = 3600.0
+        assert not mngr.save(4, args=ocp.args.StandardSave(state))  # counted from the attempt's start
+        policy.minimum_interval_secs = 0.0
+        assert mngr.save(5, args=ocp.args.StandardSave(state))
+        mngr.wait_until_finished()
+        policy.minimum_interval_secs = 3600.0
+        assert not mngr.save(6, args=ocp.args.StandardSave(state))  # an hour after step 5 at the earliest
+        assert mngr.all_steps() == [5]
 
 
 def test_interval_saves_exactly_on_multiples(tmp_path: Path) -> None:

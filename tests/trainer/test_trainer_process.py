@@ -125,7 +125,7 @@ def test_unusable_storage_fails_fast_with_exit_3(job: Job, tmp_path: Path, case:
     ("args", "env", "message"),
     [
         (["--model", "huge"], {}, "unknown model 'huge'"),
-        ([], {"TPUJOB_CHECKPOINT_POLICY": "sometimes"}, "want continuous|interval"),
+        ([], {"TPUJOB_CHECKPOINT_POLICY": "sometimes"}, "want continuous|interval|adaptive"),
         ([], {"TPUJOB_CHECKPOINT_KEEP_LATEST": "x"}, "is not an integer"),
         (["--batch-size", "3"], {}, "not divisible by the 2 devices"),
     ],

@@ -59,6 +59,26 @@ def test_checkpoint_env_contract() -> None:
     )
 
 
+def test_adaptive_policy_env_contract() -> None:
+    env = {
+        **RUN,
+        "TPUJOB_CHECKPOINT_POLICY": "adaptive",
+        "TPUJOB_CHECKPOINT_OVERHEAD_BUDGET_PERCENT": "7.5",
+        "TPUJOB_CHECKPOINT_MIN_INTERVAL_SECONDS": "10",
+        "TPUJOB_CHECKPOINT_MAX_INTERVAL_SECONDS": "600",
+        "TPUJOB_MTBF_SECONDS": "86400",
+    }
+    ckpt = parse_config([], env).checkpoint
+    assert ckpt is not None
+    assert (ckpt.policy, ckpt.overhead_budget_percent, ckpt.min_interval_seconds) == ("adaptive", 7.5, 10.0)
+    assert (ckpt.max_interval_seconds, ckpt.mtbf_seconds) == (600.0, 86400.0)
+    # Absent or empty: 5%, no upper bound, no failure information (the budget bound alone).
+    for empty in ({}, {"TPUJOB_CHECKPOINT_MAX_INTERVAL_SECONDS": "", "TPUJOB_MTBF_SECONDS": " "}):
+        ckpt = parse_config([], {**RUN, "TPUJOB_CHECKPOINT_POLICY": "adaptive", **empty}).checkpoint
+        assert ckpt is not None
+        assert (ckpt.overhead_budget_percent, ckpt.max_interval_seconds, ckpt.mtbf_seconds) == (5.0, None, None)
+
+
 @pytest.mark.parametrize(
     ("env", "expected"),
     [
@@ -94,6 +114,18 @@ def test_process_id_from_jobset_env(env: dict[str, str], expected: tuple[int, in
         ([], {**RUN, "TPUJOB_RESUME_STEP": "-2"}, "TPUJOB_RESUME_STEP"),
         ([], {"TPUJOB_NUM_SLICES": "2"}, "TPUJOB_COORDINATOR_ADDRESS is required"),
         ([], {"TPUJOB_SLICE_ID": "1"}, "TPUJOB_SLICE_ID=1 not in [0, 1)"),
+        ([], {**RUN, "TPUJOB_CHECKPOINT_POLICY": "sometimes"}, "want continuous|interval|adaptive"),
+        ([], {**RUN, "TPUJOB_CHECKPOINT_OVERHEAD_BUDGET_PERCENT": "0"}, "PERCENT=0 must be in (0, 100]"),
+        ([], {**RUN, "TPUJOB_CHECKPOINT_OVERHEAD_BUDGET_PERCENT": "150"}, "PERCENT=150 must be in (0, 100]"),
+        ([], {**RUN, "TPUJOB_CHECKPOINT_OVERHEAD_BUDGET_PERCENT": "five"}, "PERCENT='five' is not a number"),
+        ([], {**RUN, "TPUJOB_CHECKPOINT_MAX_INTERVAL_SECONDS": "0"}, "MAX_INTERVAL_SECONDS must be > 0"),
+        (
+            [],
+            {**RUN, "TPUJOB_CHECKPOINT_MIN_INTERVAL_SECONDS": "60", "TPUJOB_CHECKPOINT_MAX_INTERVAL_SECONDS": "30"},
+            "TPUJOB_CHECKPOINT_MAX_INTERVAL_SECONDS=30 is below TPUJOB_CHECKPOINT_MIN_INTERVAL_SECONDS=60",
+        ),
+        ([], {**RUN, "TPUJOB_MTBF_SECONDS": "-5"}, "TPUJOB_MTBF_SECONDS must be > 0"),
+        ([], {**RUN, "TPUJOB_MTBF_SECONDS": "inf"}, "TPUJOB_MTBF_SECONDS='inf' is not finite"),
     ],
 )
 def test_bad_configuration_is_refused(argv: list[str], env: dict[str, str], message: str) -> None:
@@ -164,6 +196,8 @@ def test_progress_record_and_line() -> None:
         "step", "loss", "steps_per_second", "last_committed_step", "attempt", "resumed_from_step", "updated_at",
         "state", "uid", "restored_step", "restore_failures", "save_failures", "process_started_at",
         "storage_ready_at", "restore_started_at", "restore_finished_at", "first_step_at", "save_blocking_seconds",
+        "checkpoint_interval_seconds", "checkpoint_interval_bound", "save_cost_seconds",
+        "checkpoint_overhead_percent", "mtbf_seconds",
     }  # fmt: skip
     failed = contract.ProgressRecord(
         step=0, loss=None, steps_per_second=None, last_committed_step=None, attempt=1, resumed_from_step=None,

@@ -4,6 +4,7 @@ the start-up storage probe, and the commit rule the operator shares.
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import logging
 import signal
@@ -11,6 +12,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator, Sequence
+from datetime import UTC, datetime
 from types import FrameType
 from typing import Any
 
@@ -23,6 +25,7 @@ from orbax.checkpoint import checkpoint_managers as cm
 from tpujob_contract import COMMIT_MARKER, RestoreFailure, Resume
 
 from tpujob_trainer.bounded import StorageTimeout, bounded
+from tpujob_trainer.cadence import Cadence, Interval, changed_materially
 from tpujob_trainer.config import CheckpointConfig, ConfigError
 from tpujob_trainer.progress import short_error
 
@@ -47,19 +50,115 @@ class CheckpointIncompatible(RuntimeError):
         super().__init__(f"no committed checkpoint could be restored; tried {tried}")
 
 
+# Orbax's continuous policy compares its minimum interval with a timedelta, which takes no infinity:
+# "hold every save" is this many seconds (31 years).
+HOLD_SECONDS = 10**9
+
+
+@dataclasses.dataclass(frozen=True)
+class _AttemptStart:
+    """Stands in for the previous checkpoint when nothing is committed (cm.PolicyCheckpointInfo)."""
+
+    step: int
+    time: datetime
+    metrics: dict[str, Any] | None = None
+
+
+@dataclasses.dataclass(kw_only=True)
+class AdaptivePolicy(cm.ContinuousCheckpointingPolicy):  # type: ignore[misc]  # orbax ships no type hints
+    """Orbax's continuous policy, with a minimum interval that AdaptiveCadence moves as it measures.
+
+    Orbax decides on the primary host (process 0) and broadcasts the decision, so process 0's
+    interval is the one in force. It starts held (no save before a baseline step time exists).
+    With nothing committed yet the interval counts from the attempt's start instead of allowing a
+    save at once (Orbax's rule): step 0 needs no checkpoint to be recovered.
+    """
+
+    minimum_interval_secs: Any = HOLD_SECONDS
+    started: datetime = dataclasses.field(default_factory=lambda: datetime.now(UTC))
+
+    def should_save(self, step: Any, previous_steps: Sequence[Any], *, context: Any) -> bool:
+        previous = previous_steps or [_AttemptStart(0, self.started)]
+        return bool(super().should_save(step, previous, context=context))
+
+
 def save_policy(cfg: CheckpointConfig) -> cm.SaveDecisionPolicy:
-    """continuous -> ContinuousCheckpointingPolicy; interval -> FixedIntervalPolicy; OR preemption."""
+    """continuous -> ContinuousCheckpointingPolicy; interval -> FixedIntervalPolicy;
+    adaptive -> AdaptivePolicy; OR preemption."""
     base: cm.SaveDecisionPolicy
     if cfg.policy == "continuous":
         # Orbax types the interval as int but only compares it with a timedelta; keep sub-second values.
         interval: Any = cfg.min_interval_seconds or None
         base = cm.ContinuousCheckpointingPolicy(minimum_interval_secs=interval)
+    elif cfg.policy == "adaptive":
+        base = AdaptivePolicy()
     else:
         base = cm.FixedIntervalPolicy(cfg.interval_steps)
     policies: list[cm.SaveDecisionPolicy] = [base]
     if cfg.save_on_preemption:
         policies.append(cm.PreemptionCheckpointingPolicy())
     return cm.AnySavePolicy(policies)
+
+
+def adaptive_policy(options: ocp.CheckpointManagerOptions) -> AdaptivePolicy | None:
+    """The AdaptivePolicy inside the options' save decision policy, if any (the one to drive)."""
+    decision = options.save_decision_policy
+    found = [p for p in getattr(decision, "policies", [decision]) if isinstance(p, AdaptivePolicy)]
+    return found[0] if found else None
+
+
+class AdaptiveCadence:
+    """Feeds the trainer's measurements to a Cadence and its interval to the AdaptivePolicy.
+
+    The loop calls step() after every timed step and saved() after every save it started.
+    """
+
+    def __init__(self, cfg: CheckpointConfig, policy: AdaptivePolicy, announce: bool = True):
+        self.cadence = Cadence(
+            budget=cfg.overhead_budget_percent / 100,
+            mtbf_s=cfg.mtbf_seconds,
+            min_s=cfg.min_interval_seconds,
+            max_s=cfg.max_interval_seconds,
+        )
+        self._policy = policy
+        self._announce = announce  # log interval changes (process 0)
+        self._blocking_s = 0.0
+        self.in_force: Interval | None = None
+
+    def saved(self, blocking_s: float) -> None:
+        self.cadence.meter.saved(blocking_s)
+        self._blocking_s = blocking_s
+
+    def step(self, seconds: float, saving: bool) -> None:
+        meter = self.cadence.meter
+        extra_before = meter.extra_s
+        meter.step(seconds, saving)
+        if meter.extra_s != extra_before:
+            log.debug("checkpoint cadence: a save settled, cost %.3fs (baseline step %.4fs)",
+                      meter.extra_s - extra_before, meter.baseline_s or 0.0)  # fmt: skip
+        due = self.cadence.due_after_s()
+        # Orbax counts from the end of the previous save's blocking part, the cadence from its start.
+        self._policy.minimum_interval_secs = HOLD_SECONDS if due is None else max(0.0, due - self._blocking_s)
+        chosen = self.cadence.interval()
+        if self._announce and chosen is not None and changed_materially(self.in_force, chosen):
+            log.info(
+                "checkpoint cadence: every %.2fs (%s bound; save cost %.3fs, overhead so far %.1f%%, MTBF %s)",
+                chosen.seconds, chosen.bound, meter.cost_s, 100 * (meter.overhead or 0.0),
+                "none" if self.cadence.mtbf_s is None else f"{self.cadence.mtbf_s:.0f}s",
+            )  # fmt: skip
+        self.in_force = chosen
+
+    def record_fields(self) -> dict[str, Any]:
+        """The progress record's adaptive fields (the interval and cost stay None until a save is priced)."""
+        meter = self.cadence.meter
+        cost, overhead = meter.cost_s, meter.overhead
+        return {
+            "checkpoint_interval_seconds": None if self.in_force is None else round(self.in_force.seconds, 3),
+            "checkpoint_interval_bound": None if self.in_force is None else self.in_force.bound,
+            "save_cost_seconds": None if cost is None else round(cost, 4),
+            "checkpoint_overhead_percent": None if overhead is None else round(100 * overhead, 3),
+            "mtbf_seconds": self.cadence.mtbf_s,
+        }
 
 
 def preservation_policy(cfg: CheckpointConfig) -> cm.PreservationPolicy:

@@ -53,7 +53,8 @@ MODELS: dict[str, ModelConfig] = {
     )
 }
 
-Policy = Literal["continuous", "interval"]
+Policy = Literal["continuous", "interval", "adaptive"]
+POLICIES: tuple[Policy, ...] = ("continuous", "interval", "adaptive")
 DType = Literal["auto", "float32", "bfloat16"]
 
 
@@ -80,6 +81,11 @@ class CheckpointConfig:
     keep_every_steps: int
     save_on_preemption: bool
     resume: Resume  # the operator's TPUJOB_RESUME_STEP: a committed step, the latest one, or fresh
+    # adaptive: the step-time budget for saves (percent), the interval's upper bound (None: none;
+    # min_interval_seconds is the lower one) and the operator's MTBF estimate (None: budget only)
+    overhead_budget_percent: float = 5.0
+    max_interval_seconds: float | None = None
+    mtbf_seconds: float | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -145,6 +151,11 @@ def _float(env: Mapping[str, str], name: str, default: float) -> float:
     return value
 
 
+def _optional_float(env: Mapping[str, str], name: str) -> float | None:
+    """A number, or None when the variable is absent or empty."""
+    return _float(env, name, math.nan) if env.get(name, "").strip() else None
+
+
 def _bool(env: Mapping[str, str], name: str, default: bool) -> bool:
     raw = env.get(name, "").strip().lower()
     if not raw:
@@ -208,10 +219,12 @@ def _train_config(args: argparse.Namespace) -> TrainConfig:
 
 
 def _checkpoint_config(env: Mapping[str, str]) -> CheckpointConfig:
-    policy = env.get(Env.CHECKPOINT_POLICY, "continuous").strip() or "continuous"
-    _require(policy in ("continuous", "interval"), f"TPUJOB_CHECKPOINT_POLICY={policy!r}: want continuous|interval")
+    raw_policy = env.get(Env.CHECKPOINT_POLICY, "continuous").strip() or "continuous"
+    policy = next((p for p in POLICIES if p == raw_policy), None)
+    if policy is None:
+        raise ConfigError(f"{Env.CHECKPOINT_POLICY}={raw_policy!r}: want {'|'.join(POLICIES)}")
     cfg = CheckpointConfig(
-        policy="continuous" if policy == "continuous" else "interval",
+        policy=policy,
         min_interval_seconds=_float(env, Env.CHECKPOINT_MIN_INTERVAL_SECONDS, 0.0),
         interval_steps=_int(env, Env.CHECKPOINT_INTERVAL_STEPS, 100),
         async_save=_bool(env, Env.CHECKPOINT_ASYNC, True),
@@ -219,8 +232,21 @@ def _checkpoint_config(env: Mapping[str, str]) -> CheckpointConfig:
         keep_every_steps=_int(env, Env.CHECKPOINT_KEEP_EVERY_STEPS, 0),
         save_on_preemption=_bool(env, Env.CHECKPOINT_SAVE_ON_PREEMPTION, True),
         resume=_resume(env),
+        overhead_budget_percent=_float(env, Env.CHECKPOINT_OVERHEAD_BUDGET_PERCENT, 5.0),
+        max_interval_seconds=_optional_float(env, Env.CHECKPOINT_MAX_INTERVAL_SECONDS),
+        mtbf_seconds=_optional_float(env, Env.MTBF_SECONDS),
     )
     _require(cfg.min_interval_seconds >= 0, "TPUJOB_CHECKPOINT_MIN_INTERVAL_SECONDS must be >= 0")
+    budget = cfg.overhead_budget_percent
+    _require(0 < budget <= 100, f"{Env.CHECKPOINT_OVERHEAD_BUDGET_PERCENT}={budget:g} must be in (0, 100]")
+    if (top := cfg.max_interval_seconds) is not None:
+        _require(top > 0, f"{Env.CHECKPOINT_MAX_INTERVAL_SECONDS} must be > 0")
+        _require(
+            top >= cfg.min_interval_seconds,
+            f"{Env.CHECKPOINT_MAX_INTERVAL_SECONDS}={top:g} is below "
+            f"{Env.CHECKPOINT_MIN_INTERVAL_SECONDS}={cfg.min_interval_seconds:g}",
+        )
+    _require(cfg.mtbf_seconds is None or cfg.mtbf_seconds > 0, f"{Env.MTBF_SECONDS} must be > 0")
     _require(cfg.policy != "interval" or cfg.interval_steps > 0, "TPUJOB_CHECKPOINT_INTERVAL_STEPS must be > 0")
     _require(cfg.keep_latest >= 1, "TPUJOB_CHECKPOINT_KEEP_LATEST must be >= 1")
     _require(cfg.keep_every_steps >= 0, "TPUJOB_CHECKPOINT_KEEP_EVERY_STEPS must be >= 0")

@@ -50,6 +50,9 @@ def _init_distributed(cfg: Config) -> bool:
         num_processes=topo.num_processes,
         process_id=topo.process_id,
         coordinator_bind_address=_own_bind_address(topo.coordinator_address),
+        # The operator's env says everything: no cluster auto-detection. JAX's Kubernetes detection
+        # (when the `kubernetes` package is importable) needs an API token, which workers do not mount.
+        cluster_detection_method="deactivate",
     )
     return True
 
@@ -87,6 +90,7 @@ class _Status:
     restore_finished_at: str | None = None
     first_step_at: str | None = None
     save_blocking_seconds: float = 0.0
+    cadence: checkpointing.AdaptiveCadence | None = None  # policy "adaptive"
 
     def record(self, state: contract.State) -> contract.ProgressRecord:
         return contract.ProgressRecord(
@@ -97,6 +101,7 @@ class _Status:
             process_started_at=self.process_started_at, storage_ready_at=self.storage_ready_at,
             restore_started_at=self.restore_started_at, restore_finished_at=self.restore_finished_at,
             first_step_at=self.first_step_at, save_blocking_seconds=round(self.save_blocking_seconds, 3),
+            **(self.cadence.record_fields() if self.cadence else {}),
         )  # fmt: skip
 
 
@@ -107,7 +112,10 @@ def _open_manager(cfg: Config, notice: PreemptionNotice, status: _Status) -> Che
     _wait_for_storage(cfg)
     status.storage_ready_at = contract.now_rfc3339()
     log.info("checkpoints: %s/checkpoints, %s", cfg.run_dir, cfg.checkpoint)
-    return CheckpointManager(f"{cfg.run_dir}/checkpoints", checkpointing.manager_options(cfg.checkpoint), notice)
+    options = checkpointing.manager_options(cfg.checkpoint)
+    if policy := checkpointing.adaptive_policy(options):
+        status.cadence = checkpointing.AdaptiveCadence(cfg.checkpoint, policy, announce=jax.process_index() == 0)
+    return CheckpointManager(f"{cfg.run_dir}/checkpoints", options, notice)
 
 
 def _wait_for_storage(cfg: Config) -> None:
@@ -179,8 +187,9 @@ def _restore_or_init(cfg: Config, trainer: Trainer, mngr: CheckpointManager | No
     return state
 
 
-def _save(mngr: CheckpointManager, step: int, state: State, status: _Status) -> bool:
-    """One save decision; a failed save is logged and counted, and the next decision retries.
+def _save(mngr: CheckpointManager, step: int, state: State, status: _Status) -> float | None:
+    """One save decision: the seconds the loop was blocked if a save started, else None. A failed
+    save is logged and counted, and the next decision retries.
 
     Orbax 0.12.8 surfaces a failed async save as an exception from the *next* save() (or
     wait_until_finished()), raised once; a failure of the blocking part raises from this save().
@@ -191,19 +200,21 @@ def _save(mngr: CheckpointManager, step: int, state: State, status: _Status) -> 
             # first barrier, where other processes would wait for this one.
             mngr.wait_until_finished()
         if not mngr.should_save(step):
-            return False
+            return None
         # The step is dispatched asynchronously: wait for it first, so that the time below is the
         # save's blocking part alone (the goodput ledger's checkpoint-save badput).
         jax.block_until_ready(state)  # type: ignore[no-untyped-call]
         blocked_from = time.monotonic()
         try:
-            return mngr.save(step, args=ocp.args.StandardSave(state))
+            started = mngr.save(step, args=ocp.args.StandardSave(state))
         finally:
-            status.save_blocking_seconds += time.monotonic() - blocked_from
+            blocked = time.monotonic() - blocked_from
+            status.save_blocking_seconds += blocked
+        return blocked if started else None
     except Exception as err:
         status.save_failures += 1
         log.warning("checkpoint: save failed (%s); training goes on, the next save retries", progress.short_error(err))
-        return False
+        return None
 
 
 def _committed(mngr: CheckpointManager, step: int) -> bool:
@@ -258,24 +269,35 @@ def _train(
 ) -> bool:
     """Train from status.step to the last step; returns True if stopped by SIGTERM."""
     tc = cfg.train
+    cadence = status.cadence
     pending_save: int | None = None
     window_start, window_steps, last_publish = time.monotonic(), 0, float("-inf")
+    timed_from: float | None = None  # adaptive: when the step being timed began (None: compiling)
     for step in range(status.step + 1, tc.steps + 1):
         # The update producing `step` consumes batch step-1: data position == step.
         batch = trainer.device_batch(batch_for_step(tc.seed, step - 1, tc.batch_size, tc.seq_len, tc.model.vocab_size))
         state, loss = trainer.step(state, batch)
         status.step, window_steps = step, window_steps + 1
-        if status.first_step_at is None:  # compilation and the first step are behind us
+        if status.first_step_at is None or cadence:
+            # After the first step: compilation is behind us. Adaptive: every step, because JAX
+            # dispatches asynchronously and the cadence needs each step's real time; this costs the
+            # host's head start on dispatching the next step (bench/checkpoint_policies.py measures it).
             jax.block_until_ready(loss)  # type: ignore[no-untyped-call]
-            status.first_step_at = contract.now_rfc3339()
+            status.first_step_at = status.first_step_at or contract.now_rfc3339()
         if mngr:
+            saving = mngr.is_saving_in_progress()
             # Report a finished save before the policy may start the next one.
-            if pending_save is not None and not mngr.is_saving_in_progress():
+            if pending_save is not None and not saving:
                 if writer:
                     writer.saved(pending_save)
                 pending_save = None
-            if _save(mngr, step, state, status):
+            if cadence and timed_from is not None:
+                cadence.step(time.monotonic() - timed_from, saving)
+            blocked = _save(mngr, step, state, status)
+            if blocked is not None:
                 pending_save = step
+                if cadence:
+                    cadence.saved(blocked)
         if notice.reached(step):
             if mngr:
                 saved = cfg.checkpoint is not None and cfg.checkpoint.save_on_preemption
@@ -298,6 +320,7 @@ def _train(
             if writer is not None and due_publish:
                 writer.publish(status.record("running"))
                 last_publish = now
+        timed_from = time.monotonic()  # the next step's time excludes this one's save and report
     if mngr and not _save_final(mngr, status.step, state, status):  # the final model, always
         raise RuntimeError(f"the final step {status.step} could not be checkpointed")
     return False
