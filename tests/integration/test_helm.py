@@ -50,25 +50,100 @@ def test_chart_crd_is_the_generated_one():
     assert (CHART / "crds" / "trainingjob.yaml").read_text() == generated
 
 
+NAMESPACED_RESOURCES = {"trainingjobs", "trainingjobs/status", "jobsets", "pods", "events"}
+
+
+def _named(docs: list[dict[str, Any]], kind: str, name: str) -> dict[str, Any]:
+    [found] = [d for d in docs if d["kind"] == kind and d["metadata"]["name"] == name]
+    return found
+
+
 def test_cluster_role_is_least_privilege():
-    [role] = [d for d in render() if d["kind"] == "ClusterRole"]
+    role = _named(render(), "ClusterRole", "tpujob")
     resources = {r for rule in role["rules"] for r in rule["resources"]}
     verbs = {v for rule in role["rules"] for v in rule["verbs"]}
     assert "*" not in resources and "*" not in verbs
     assert "secrets" not in resources and "namespaces" not in resources
-    assert resources == {
-        "trainingjobs",
-        "trainingjobs/status",
-        "jobsets",
-        "pods",
-        "events",
-        "customresourcedefinitions",
-    }
+    assert resources == NAMESPACED_RESOURCES | {"customresourcedefinitions"}
     pod_rule = next(rule for rule in role["rules"] if rule["resources"] == ["pods"])
     assert pod_rule["verbs"] == ["list", "watch", "deletecollection"]
-    # Watching a namespace list adds only read access to namespaces.
-    [scoped] = [d for d in render("watchNamespaces={ml,research}") if d["kind"] == "ClusterRole"]
-    assert {"list", "watch"} == {v for r in scoped["rules"] if "namespaces" in r["resources"] for v in r["verbs"]}
+
+
+def test_watched_namespaces_get_roles_and_only_api_watching_stays_cluster_wide():
+    docs = render("watchNamespaces={ml,research}")
+    scoped = _named(docs, "ClusterRole", "tpujob")
+    assert {(r, v) for rule in scoped["rules"] for r in rule["resources"] for v in rule["verbs"]} == {
+        ("customresourcedefinitions", "list"),
+        ("customresourcedefinitions", "watch"),
+        ("namespaces", "list"),  # kopf resolves the watched namespaces
+        ("namespaces", "watch"),
+    }
+    unscoped = _named(render(), "ClusterRole", "tpujob")
+    for namespace in ("ml", "research"):
+        [role] = [d for d in docs if d["kind"] == "Role" and d["metadata"].get("namespace") == namespace]
+        assert {r for rule in role["rules"] for r in rule["resources"]} == NAMESPACED_RESOURCES
+        assert [r for r in role["rules"]] == [r for r in unscoped["rules"] if r["resources"][0] in NAMESPACED_RESOURCES]
+        [binding] = [d for d in docs if d["kind"] == "RoleBinding" and d["metadata"].get("namespace") == namespace]
+        assert binding["roleRef"] == {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": "tpujob"}
+        assert binding["subjects"] == [{"kind": "ServiceAccount", "name": "tpujob", "namespace": "default"}]
+
+
+def test_user_roles_aggregate_into_the_built_in_ones():
+    docs = render()
+    edit, view = _named(docs, "ClusterRole", "tpujob-edit"), _named(docs, "ClusterRole", "tpujob-view")
+    assert (
+        edit["metadata"]["labels"].items()
+        >= {
+            "rbac.authorization.k8s.io/aggregate-to-edit": "true",
+            "rbac.authorization.k8s.io/aggregate-to-admin": "true",
+        }.items()
+    )
+    assert view["metadata"]["labels"]["rbac.authorization.k8s.io/aggregate-to-view"] == "true"
+    assert {v for r in edit["rules"] if r["resources"] == ["trainingjobs"] for v in r["verbs"]} >= {"create", "delete"}
+    # People never write status or JobSets: those are the operator's.
+    assert all(set(r["verbs"]) <= {"get", "list", "watch"} for r in edit["rules"] if r["resources"] != ["trainingjobs"])
+    assert all(set(r["verbs"]) <= {"get", "list", "watch"} for r in view["rules"])
+    plain = _named(render("userRoles.aggregate=false"), "ClusterRole", "tpujob-edit")
+    assert not any(k.startswith("rbac.authorization.k8s.io/aggregate") for k in plain["metadata"]["labels"])
+    assert [d["metadata"]["name"] for d in render("userRoles.create=false") if d["kind"] == "ClusterRole"] == ["tpujob"]
+
+
+def test_policy_values_reach_the_operator_and_the_admission_policy_alike():
+    docs = render(
+        "policy.allowedCheckpointLocations={gs://team-a/,gs://shared/runs}",
+        "policy.allowServiceAccountName=false",
+        "policy.allowSecretKeyRef=true",
+        "watchNamespaces={ml}",
+    )
+    args = _operator_container(docs)["args"]
+    assert [a for a in args if a.startswith(("--allow", "--no-allow", "--operator-"))] == [
+        "--allowed-checkpoint-location=gs://team-a",
+        "--allowed-checkpoint-location=gs://shared/runs",
+        "--no-allow-service-account-name",
+        "--allow-secret-key-ref",
+        "--operator-namespace=default",
+        "--operator-service-account=tpujob",
+    ]
+    vap = _named(docs, "ValidatingAdmissionPolicy", "tpujob-policy")
+    variables = {v["name"]: v["expression"] for v in vap["spec"]["variables"]}
+    assert yaml.safe_load(variables["allowedLocations"]) == ["gs://team-a", "gs://shared/runs"]
+    assert (variables["allowServiceAccountName"], variables["allowSecretKeyRef"]) == ("false", "true")
+    assert (variables["operatorNamespace"], variables["operatorServiceAccount"]) == ('"default"', '"tpujob"')
+    binding = _named(docs, "ValidatingAdmissionPolicyBinding", "tpujob-policy")
+    assert binding["spec"]["validationActions"] == ["Deny"] and "paramRef" not in binding["spec"]
+    assert binding["spec"]["matchResources"]["namespaceSelector"]["matchExpressions"][0]["values"] == ["ml"]
+    # The defaults: any location, serviceAccountName allowed (not in the operator's namespace), no secret refs.
+    defaults = render()
+    assert (
+        yaml.safe_load(
+            _named(defaults, "ValidatingAdmissionPolicy", "tpujob-policy")["spec"]["variables"][0]["expression"]
+        )
+        == []
+    )
+    assert {"--allow-service-account-name", "--no-allow-secret-key-ref"} <= set(_operator_container(defaults)["args"])
+    assert "matchResources" not in _named(defaults, "ValidatingAdmissionPolicyBinding", "tpujob-policy")["spec"]
+    assert not [d for d in render("policy.admissionPolicy.enabled=false") if "Admission" in d["kind"]]
+    assert "must be gs://bucket or gs://bucket/prefix" in refused_render("policy.allowedCheckpointLocations={s3://x}")
 
 
 def test_workload_identity_annotation_and_replicas_with_leader_election():
@@ -128,10 +203,43 @@ def test_helm_install_creates_accepted_objects(control_plane, kube, namespace):
     deployment = client.AppsV1Api(kube).read_namespaced_deployment("tpujob", namespace)
     assert deployment.spec.template.spec.service_account_name == "tpujob"
     client.CoreV1Api(kube).read_namespaced_service_account("tpujob", namespace)
-    role = client.RbacAuthorizationV1Api(kube).read_cluster_role("tpujob")
-    assert any("jobsets" in (rule.resources or []) for rule in role.rules)
-    binding = client.RbacAuthorizationV1Api(kube).read_cluster_role_binding("tpujob")
+    rbac = client.RbacAuthorizationV1Api(kube)
+    # Watching one namespace: the JobSet rights are a Role there, not cluster-wide.
+    assert any("jobsets" in (rule.resources or []) for rule in rbac.read_namespaced_role("tpujob", namespace).rules)
+    assert not any("jobsets" in (rule.resources or []) for rule in rbac.read_cluster_role("tpujob").rules)
+    binding = rbac.read_cluster_role_binding("tpujob")
     assert binding.subjects[0].namespace == namespace
+    # The apiserver's authorizer agrees: the operator may create JobSets where it watches, nowhere else.
+    operator = (
+        f"system:serviceaccount:{namespace}:tpujob",
+        ["system:serviceaccounts", f"system:serviceaccounts:{namespace}"],
+    )
+    assert _allowed(kube, operator, namespace, "create", "jobset.x-k8s.io", "jobsets")
+    assert not _allowed(kube, operator, "default", "create", "jobset.x-k8s.io", "jobsets")
+    assert not _allowed(kube, operator, "default", "list", "", "pods")
+    assert _allowed(kube, operator, None, "watch", "apiextensions.k8s.io", "customresourcedefinitions")
+    # tpujob-edit/-view reach the built-in edit/view (kube-controller-manager aggregates them): a person
+    # bound to `edit` in a namespace may run TrainingJobs there, one bound to `view` may only read them.
+    for built_in in ("edit", "view", "admin"):
+        eventually(
+            lambda role=built_in: any(
+                "trainingjobs" in (r.resources or []) for r in rbac.read_cluster_role(role).rules
+            ),
+            what=f"TrainingJobs aggregated into {built_in}",
+        )
+    for person, role in (("alice", "edit"), ("bob", "view")):
+        rbac.create_namespaced_role_binding(
+            namespace,
+            client.V1RoleBinding(
+                metadata=client.V1ObjectMeta(name=person),
+                role_ref=client.V1RoleRef(api_group="rbac.authorization.k8s.io", kind="ClusterRole", name=role),
+                subjects=[client.RbacV1Subject(kind="User", name=person, api_group="rbac.authorization.k8s.io")],
+            ),
+        )
+    assert _allowed(kube, ("alice", []), namespace, "create", "tpujob.dev", "trainingjobs")
+    assert not _allowed(kube, ("alice", []), namespace, "update", "tpujob.dev", "trainingjobs", "status")
+    assert _allowed(kube, ("bob", []), namespace, "list", "tpujob.dev", "trainingjobs")
+    assert not _allowed(kube, ("bob", []), namespace, "create", "tpujob.dev", "trainingjobs")
     lease_role = client.RbacAuthorizationV1Api(kube).read_namespaced_role("tpujob-leader-election", namespace)
     assert lease_role.rules[0].api_groups == ["coordination.k8s.io"]
     metrics_service = client.CoreV1Api(kube).read_namespaced_service("tpujob-metrics", namespace)
@@ -139,6 +247,29 @@ def test_helm_install_creates_accepted_objects(control_plane, kube, namespace):
     # The Deployment controller (in kube-controller-manager) accepted it and made a ReplicaSet.
     eventually(lambda: client.AppsV1Api(kube).list_namespaced_replica_set(namespace).items, what="ReplicaSet")
     helm("uninstall", "tpujob", "--namespace", namespace, "--kubeconfig", str(control_plane.kubeconfig))
+
+
+def _allowed(
+    kube: client.ApiClient,
+    who: tuple[str, list[str]],
+    namespace: str | None,
+    verb: str,
+    group: str,
+    resource: str,
+    subresource: str | None = None,
+) -> bool:
+    """The apiserver's RBAC decision (a SubjectAccessReview) for one request."""
+    review = client.V1SubjectAccessReview(
+        spec=client.V1SubjectAccessReviewSpec(
+            user=who[0],
+            groups=who[1],
+            resource_attributes=client.V1ResourceAttributes(
+                namespace=namespace, verb=verb, group=group, resource=resource, subresource=subresource
+            ),
+        )
+    )
+    answer: Any = client.AuthorizationV1Api(kube).create_subject_access_review(review)
+    return bool(answer.status.allowed)
 
 
 def _operator_container(docs: list[dict[str, Any]]) -> dict[str, Any]:

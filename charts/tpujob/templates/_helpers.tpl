@@ -26,3 +26,16 @@ app.kubernetes.io/instance: {{ .Release.Name }}
 {{- define "tpujob.leaseNamespace" -}}
 {{- default .Release.Namespace .Values.leaderElection.namespace -}}
 {{- end -}}
+
+{{/* policy.allowedCheckpointLocations, checked and without trailing slashes (the operator's form). */}}
+{{- define "tpujob.checkpointLocations" -}}
+{{- $out := list -}}
+{{- range .Values.policy.allowedCheckpointLocations -}}
+{{- $loc := trimSuffix "/" (trim .) -}}
+{{- if or (not (hasPrefix "gs://" $loc)) (eq $loc "gs:/") (eq $loc "gs://") (hasPrefix "gs:///" $loc) -}}
+{{- fail (printf "policy.allowedCheckpointLocations: %q must be gs://bucket or gs://bucket/prefix" .) -}}
+{{- end -}}
+{{- $out = append $out $loc -}}
+{{- end -}}
+{{- join " " $out -}}
+{{- end -}}

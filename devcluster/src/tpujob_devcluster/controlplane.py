@@ -189,6 +189,8 @@ class ControlPlane:
             f"--service-cluster-ip-range={SERVICE_CIDR}",
             "--authorization-mode=Node,RBAC",
             "--allow-privileged=true",
+            # Kubernetes' default admission plugins stay on, PodSecurity and ValidatingAdmissionPolicy
+            # among them: restricted namespaces and the chart's TrainingJob policy rely on them.
             *([] if self.service_account_admission else ["--disable-admission-plugins=ServiceAccount"]),
             "--enable-priority-and-fairness=false",
             "--v=1",

@@ -1,0 +1,221 @@
+"""Multi-tenant policy on the real apiserver: the chart's ValidatingAdmissionPolicy refuses a
+TrainingJob that breaks it, with the rule named; without the admission policy the operator refuses
+it (Failed/PolicyViolation, an Event, no JobSet, its checkpoint directory never read)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from kubernetes import client
+from kubernetes.client.exceptions import ApiException
+from tpujob_devcluster.controlplane import tools_dir
+from tpujob_operator import api, handlers, policy
+from tpujob_operator.jobset import JOBSET_GROUP, JOBSET_PLURAL, JOBSET_VERSION
+
+from ..conftest import TEST_BUCKET
+from .conftest import eventually, training_job_manifest
+
+pytestmark = pytest.mark.integration
+CHART = Path(__file__).resolve().parents[2] / "charts" / "tpujob"
+ALLOWED = f"gs://{TEST_BUCKET}/runs"
+SECRET_ENV = [{"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {"name": "hf", "key": "token"}}}]
+
+
+def helm(control_plane: Any, *args: str) -> None:
+    result = subprocess.run(
+        [str(tools_dir() / "helm"), *args, "--kubeconfig", str(control_plane.kubeconfig)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 0, result.stderr
+
+
+@pytest.fixture
+def team(kube: client.ApiClient, unique_name: str) -> Iterator[str]:
+    """A second namespace: a team's, watched by the same release."""
+    name = f"{unique_name}-team"
+    core = client.CoreV1Api(kube)
+    core.create_namespace(client.V1Namespace(metadata=client.V1ObjectMeta(name=name)))
+    yield name
+    core.delete_namespace(name)
+
+
+@pytest.fixture
+def release(control_plane, namespace: str, team: str) -> Iterator[str]:
+    """The chart installed in `namespace` (the operator's), watching it and the team's, bucket allowlisted."""
+    helm(
+        control_plane, "install", "tpujob", str(CHART), "--namespace", namespace, "--skip-crds",
+        "--set", f"watchNamespaces={{{namespace},{team}}}",
+        "--set", f"policy.allowedCheckpointLocations={{{ALLOWED}}}",
+    )  # fmt: skip
+    yield namespace
+    helm(control_plane, "uninstall", "tpujob", "--namespace", namespace)
+
+
+def _create(kube: client.ApiClient, namespace: str, manifest: dict[str, Any]) -> ApiException | None:
+    try:
+        client.CustomObjectsApi(kube).create_namespaced_custom_object(
+            api.GROUP, api.VERSION, namespace, api.PLURAL, manifest
+        )
+    except ApiException as error:
+        return error
+    return None
+
+
+def _refusal(kube: client.ApiClient, namespace: str, manifest: dict[str, Any]) -> str:
+    """The apiserver's message refusing `manifest` (once the policy is in force: it syncs in the background)."""
+
+    def refused() -> list[ApiException]:
+        error = _create(kube, namespace, manifest)
+        if error is None:  # not yet in force: remove what got through and try again
+            client.CustomObjectsApi(kube).delete_namespaced_custom_object(
+                api.GROUP, api.VERSION, namespace, api.PLURAL, manifest["metadata"]["name"]
+            )
+        return [error] if error else []  # (eventually() takes an exception for "not yet")
+
+    [error] = eventually(refused, timeout=30, what="the admission policy to refuse")
+    assert error.status == 403, error.body
+    return str(json.loads(str(error.body))["message"])
+
+
+def test_the_admission_policy_refuses_each_rule_with_its_message(kube, release, team, unique_name):
+    operator_account = training_job_manifest(f"{unique_name}-a", serviceAccountName="tpujob")
+    message = _refusal(kube, release, operator_account)
+    assert "ValidatingAdmissionPolicy 'tpujob-policy'" in message
+    assert message.endswith(policy.OPERATOR_ACCOUNT_MESSAGE.format(namespace=release, name="tpujob"))
+    other_account = training_job_manifest(f"{unique_name}-b", serviceAccountName="default")
+    assert _refusal(kube, release, other_account).endswith(policy.OPERATOR_NAMESPACE_MESSAGE.format(namespace=release))
+    elsewhere = training_job_manifest(f"{unique_name}-c", checkpoint={"directory": "gs://someone-elses/runs"})
+    assert _refusal(kube, team, elsewhere).endswith(
+        policy.LOCATION_MESSAGE.format(directory="gs://someone-elses/runs", allowed=ALLOWED)
+    )
+    sibling = training_job_manifest(f"{unique_name}-d", checkpoint={"directory": f"{ALLOWED}2"})  # not a segment
+    assert "outside the allowed checkpoint locations" in _refusal(kube, team, sibling)
+    secret = training_job_manifest(f"{unique_name}-e", checkpoint={"directory": ALLOWED}, env=SECRET_ENV)
+    assert _refusal(kube, team, secret).endswith(policy.SECRET_MESSAGE.format(names="HF_TOKEN"))
+
+    # What the policy allows goes through: the team's own account, under the allowed prefix.
+    allowed = training_job_manifest(
+        f"{unique_name}-ok", serviceAccountName="trainer", checkpoint={"directory": f"{ALLOWED}/llama/"}
+    )
+    assert _create(kube, team, allowed) is None
+    # ... and a spec change that breaks it is refused too; a label change is not (the spec is unchanged).
+    custom = client.CustomObjectsApi(kube)
+    with pytest.raises(ApiException) as patched:
+        custom.patch_namespaced_custom_object(
+            api.GROUP, api.VERSION, team, api.PLURAL, f"{unique_name}-ok", {"spec": {"env": SECRET_ENV}}
+        )
+    assert policy.SECRET_MESSAGE.format(names="HF_TOKEN") in json.loads(patched.value.body)["message"]
+    custom.patch_namespaced_custom_object(
+        api.GROUP, api.VERSION, team, api.PLURAL, f"{unique_name}-ok", {"metadata": {"labels": {"a": "b"}}}
+    )
+
+
+def test_stricter_values_refuse_any_service_account_and_allow_secret_refs(control_plane, kube, namespace, team):
+    install = (
+        "install", "tpujob", str(CHART), "--namespace", namespace, "--skip-crds",
+        "--set", f"watchNamespaces={{{team}}}",
+        "--set", "policy.allowServiceAccountName=false", "--set", "policy.allowSecretKeyRef=true",
+    )  # fmt: skip
+    helm(control_plane, *install)
+    try:
+        # The apiserver compiled every expression without a type-checking warning.
+        adm = client.AdmissionregistrationV1Api(kube)
+        checked = eventually(
+            lambda: adm.read_validating_admission_policy("tpujob-policy").status.type_checking, what="type checking"
+        )
+        assert not checked.expression_warnings
+        named = training_job_manifest("named", serviceAccountName="trainer")
+        assert _refusal(kube, team, named).endswith(policy.ACCOUNT_FORBIDDEN_MESSAGE)
+        # No location listed (the default): any bucket; secret refs allowed by these values.
+        anywhere = training_job_manifest("secret", checkpoint={"directory": "gs://any-bucket/x"}, env=SECRET_ENV)
+        assert _create(kube, team, anywhere) is None
+        # The binding covers only the watched namespaces: the release's own is another policy's business.
+        assert _create(kube, namespace, training_job_manifest("unwatched", serviceAccountName="x")) is None
+        # Uninstalled and installed again (the case a params ConfigMap would break): still in force.
+        helm(control_plane, "uninstall", "tpujob", "--namespace", namespace)
+        helm(control_plane, *install)
+        again = training_job_manifest("again", serviceAccountName="trainer")
+        assert _refusal(kube, team, again).endswith(policy.ACCOUNT_FORBIDDEN_MESSAGE)
+    finally:
+        helm(control_plane, "uninstall", "tpujob", "--namespace", namespace)
+
+
+def test_without_the_admission_policy_the_operator_refuses_and_reads_nothing(kube, start_operator, namespace):
+    custom = client.CustomObjectsApi(kube)
+    handlers.RUNTIME.policy = policy.Policy(
+        checkpoint_locations=(ALLOWED,), operator_namespace=namespace, operator_service_account="tpujob"
+    )
+    start_operator()
+    jobs = {
+        "own-account": (
+            training_job_manifest("own-account", serviceAccountName="tpujob"),
+            policy.OPERATOR_ACCOUNT_MESSAGE.format(namespace=namespace, name="tpujob"),
+        ),
+        # A bucket the emulator does not have: reading it would put a storage error into the status.
+        "elsewhere": (
+            training_job_manifest("elsewhere", checkpoint={"directory": "gs://no-such-bucket/runs"}),
+            policy.LOCATION_MESSAGE.format(directory="gs://no-such-bucket/runs", allowed=ALLOWED),
+        ),
+        "secret": (
+            training_job_manifest("secret", checkpoint={"directory": ALLOWED}, env=SECRET_ENV),
+            policy.SECRET_MESSAGE.format(names="HF_TOKEN"),
+        ),
+    }
+    for manifest, _ in jobs.values():
+        custom.create_namespaced_custom_object(api.GROUP, api.VERSION, namespace, api.PLURAL, manifest)
+    for name, (_, message) in jobs.items():
+
+        def failed(name: str = name) -> dict[str, Any] | None:
+            body: Any = custom.get_namespaced_custom_object(api.GROUP, api.VERSION, namespace, api.PLURAL, name)
+            status: dict[str, Any] = body.get("status") or {}
+            return status if status.get("phase") == "Failed" else None
+
+        status = eventually(failed, what=f"{name} to fail")
+        [condition] = [c for c in status["conditions"] if c["type"] == "Failed"]
+        assert (condition["reason"], condition["message"]) == ("PolicyViolation", message)
+        assert "checkpointStorageError" not in status and "latestCheckpoint" not in status
+        assert not any(c["type"] == "CheckpointStorageReachable" for c in status["conditions"])
+
+        def events(name: str = name) -> list[tuple[str, str]]:
+            found = client.CoreV1Api(kube).list_namespaced_event(
+                namespace, field_selector=f"involvedObject.name={name}"
+            )
+            return [(str(e.reason), str(e.message)) for e in found.items]
+
+        assert eventually(events, what=f"{name}'s Event") == [("PolicyViolation", message)]
+    jobsets: Any = custom.list_namespaced_custom_object(JOBSET_GROUP, JOBSET_VERSION, namespace, JOBSET_PLURAL)
+    assert jobsets["items"] == []
+
+
+def test_a_spec_changed_to_break_the_policy_fails_the_job_and_removes_its_jobset(kube, start_operator, namespace):
+    custom = client.CustomObjectsApi(kube)
+    handlers.RUNTIME.policy = policy.Policy(checkpoint_locations=(ALLOWED,))
+    start_operator()
+    custom.create_namespaced_custom_object(
+        api.GROUP, api.VERSION, namespace, api.PLURAL, training_job_manifest("late", checkpoint={"directory": ALLOWED})
+    )
+
+    def jobsets() -> list[Any]:
+        found: Any = custom.list_namespaced_custom_object(JOBSET_GROUP, JOBSET_VERSION, namespace, JOBSET_PLURAL)
+        return [js for js in found["items"] if not js["metadata"].get("deletionTimestamp")]
+
+    eventually(jobsets, what="the first JobSet")
+    custom.patch_namespaced_custom_object(
+        api.GROUP, api.VERSION, namespace, api.PLURAL, "late", {"spec": {"env": SECRET_ENV}}
+    )
+
+    def failed() -> dict[str, Any] | None:
+        body: Any = custom.get_namespaced_custom_object(api.GROUP, api.VERSION, namespace, api.PLURAL, "late")
+        status: dict[str, Any] = body.get("status") or {}
+        return status if status.get("phase") == "Failed" else None
+
+    status = eventually(failed, what="the job to fail")
+    assert next(c for c in status["conditions"] if c["type"] == "Failed")["reason"] == "PolicyViolation"
+    eventually(lambda: not jobsets(), what="its JobSet to be deleted")
