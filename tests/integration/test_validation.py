@@ -33,6 +33,27 @@ def _set(manifest: dict[str, Any], path: str, value: Any) -> dict[str, Any]:
 
 _DELETE = object()
 
+
+_BKT = {"directory": "gs://bkt/a"}
+
+
+def _maxtext_spec(change: dict[str, Any]) -> dict[str, Any]:
+    spec = {"framework": "maxtext", "image": "tpujob-maxtext:dev", "args": ["steps=5"], **change}
+    return dict(training_job_manifest("maxtext", **spec)["spec"])
+
+
+# (case, spec change, field the refusal names)
+_MAXTEXT_REFUSED: list[tuple[str, dict[str, Any], str]] = [
+    ("min interval", {"checkpoint": {**_BKT, "minIntervalSeconds": 5}}, "spec.checkpoint.minIntervalSeconds"),
+    ("every steps", {"checkpoint": {**_BKT, "keep": {"everySteps": 100}}}, "spec.checkpoint.keep.everySteps"),
+    ("adaptive", {"checkpoint": {**_BKT, "policy": "adaptive"}}, "spec.checkpoint.policy"),
+    ("checkpoint_period in args", {"args": ["steps=5", "checkpoint_period=10"]}, "spec.args"),
+    ("base_output_directory in args", {"args": ["base_output_directory=gs://x/y"]}, "spec.args"),
+    ("env override of a flag", {"env": [{"name": "M_RUN_NAME", "value": "x"}]}, "spec.env"),
+    ("XPK variable in env", {"env": [{"name": "JAX_COORDINATOR_ADDRESS", "value": "x"}]}, "spec.env"),
+]
+
+
 INVALID = [
     ("unknown accelerator", "spec.tpu.accelerator", "tpu-v9-imaginary", "spec.tpu.accelerator"),
     ("topology not offered for v5p", "spec.tpu.topology", "4x4", "spec.tpu.topology"),
@@ -45,6 +66,21 @@ INVALID = [
     ("zero interval steps", "spec.checkpoint.intervalSteps", 0, "spec.checkpoint.intervalSteps"),
     ("interval policy without intervalSteps", "spec.checkpoint.policy", "interval", "spec.checkpoint.intervalSteps"),
     ("unknown policy", "spec.checkpoint.policy", "sometimes", "spec.checkpoint.policy"),
+    # Issue 13: the adaptive policy's settings, only with that policy, within bounds.
+    ("budget with continuous", "spec.checkpoint.overheadBudgetPercent", 5, "spec.checkpoint.overheadBudgetPercent"),
+    ("max interval with continuous", "spec.checkpoint.maxIntervalSeconds", 60, "spec.checkpoint.maxIntervalSeconds"),
+    (
+        "zero budget",
+        "spec.checkpoint",
+        {"directory": "gs://bkt/a", "policy": "adaptive", "overheadBudgetPercent": 0},
+        "spec.checkpoint.overheadBudgetPercent",
+    ),
+    (
+        "max interval below min interval",
+        "spec.checkpoint",
+        {"directory": "gs://bkt/a", "policy": "adaptive", "minIntervalSeconds": 30, "maxIntervalSeconds": 10},
+        "spec.checkpoint.maxIntervalSeconds",
+    ),
     ("directory not gs://", "spec.checkpoint.directory", "s3://bucket/x", "spec.checkpoint.directory"),
     ("local directory", "spec.checkpoint.directory", "/tmp/ckpt", "spec.checkpoint.directory"),
     ("missing checkpoint directory", "spec.checkpoint.directory", _DELETE, "spec.checkpoint.directory"),
@@ -139,6 +175,8 @@ INVALID = [
         ("too many args", "spec.args", ["x"] * 1025, "spec.args"),
         ("too many command items", "spec.command", ["x"] * 257, "spec.command"),
     ],
+    # Issue 12: what MaxText cannot honour, with spec.framework maxtext (the whole spec is replaced).
+    *[(f"maxtext: {case}", "spec", _maxtext_spec(change), field) for case, change, field in _MAXTEXT_REFUSED],
 ]
 
 # Edge cases that stay accepted, each next to its nearest refused neighbour: the bounds themselves,
@@ -200,6 +238,30 @@ VALID = [
         "spec.resources",
         {"limits": {f"example.com/r{i}": 1 for i in range(32)}},
         {"limits": {f"example.com/r{i}": 1 for i in range(33)}},
+    ),
+    (
+        "adaptive budget at its bound, max interval equal to min",
+        "spec.checkpoint",
+        {
+            "directory": "gs://bkt/a",
+            "policy": "adaptive",
+            "overheadBudgetPercent": 50,
+            "minIntervalSeconds": 10,
+            "maxIntervalSeconds": 10,
+        },
+        {"directory": "gs://bkt/a", "policy": "adaptive", "overheadBudgetPercent": 50.5},
+    ),
+    (
+        "maxtext with what MaxText honours; a minimum interval is not",
+        "spec",
+        _maxtext_spec(
+            {
+                "args": ["steps=5", "log_period=1", "my_checkpoint_period=3"],
+                "env": [{"name": "M_STEPS", "value": "5"}],
+                "checkpoint": {**_BKT, "policy": "interval", "intervalSteps": 5, "async": False, "keep": {"latest": 9}},
+            }
+        ),
+        _maxtext_spec({"checkpoint": {**_BKT, "minIntervalSeconds": 0.5}}),
     ),
     ("single trailing slash", "spec.checkpoint.directory", "gs://bkt/a/", "gs://bkt/a//"),
     ("bucket only", "spec.checkpoint.directory", "gs://bkt", "gs://bkt/."),

@@ -286,3 +286,25 @@ def test_reserved_names_are_well_formed():
     assert len(set(api.OPERATOR_ENV_NAMES)) == len(api.OPERATOR_ENV_NAMES)
     for name in api.OPERATOR_ENV_NAMES:
         assert not name.startswith(api.OPERATOR_ENV_PREFIXES), f"{name} is already covered by a prefix"
+
+
+@pytest.mark.parametrize("field", ["overheadBudgetPercent", "maxIntervalSeconds"])
+@pytest.mark.parametrize("policy", ["continuous", "interval"])
+def test_adaptive_settings_are_refused_for_other_policies(field: str, policy: str):
+    checkpoint = {"directory": "gs://bkt", "policy": policy, "intervalSteps": 10, field: 5}
+    with pytest.raises(ValidationError, match=re.escape(api.ADAPTIVE_ONLY_MESSAGE.format(field=field))):
+        training_job(checkpoint=checkpoint)
+
+
+def test_adaptive_max_interval_below_min_interval_is_refused():
+    checkpoint = {"directory": "gs://bkt", "policy": "adaptive", "minIntervalSeconds": 30, "maxIntervalSeconds": 10}
+    with pytest.raises(ValidationError, match=re.escape(api.MAX_INTERVAL_MESSAGE)):
+        training_job(checkpoint=checkpoint)
+    checkpoint["maxIntervalSeconds"] = 30
+    assert training_job(checkpoint=checkpoint).spec.checkpoint.max_interval_seconds == 30
+
+
+@pytest.mark.parametrize("budget", [0, -1, 50.5])
+def test_adaptive_budget_out_of_range_is_refused(budget: float):
+    with pytest.raises(ValidationError, match=r"spec\.checkpoint\.overheadBudgetPercent"):
+        training_job(checkpoint={"directory": "gs://bkt", "policy": "adaptive", "overheadBudgetPercent": budget})

@@ -58,7 +58,8 @@ def test_the_trainer_parses_what_the_operator_sets(resume_step):
 
 
 def test_every_variable_the_operator_sets_is_a_contract_name_users_cannot_set():
-    manifest = build_jobset(training_job(), attempt=0, resume_step=None)
+    adaptive = {"directory": "gs://acme-ckpt/runs", "policy": "adaptive", "maxIntervalSeconds": 600}
+    manifest = build_jobset(training_job(checkpoint=adaptive), attempt=0, resume_step=None)
     set_by_operator = set(_pod_env(manifest, 0, 0)) - {"JOB_COMPLETION_INDEX"}
     assert set_by_operator == set(contract.Env.names())
     for name in set_by_operator:
@@ -85,6 +86,32 @@ def test_the_operator_reads_what_the_trainer_writes(tmp_path: Path):
     assert progress.restore_started_at == datetime(2026, 11, 30, 12, 0, 3, tzinfo=UTC)
     assert progress.first_step_at == datetime(2026, 11, 30, 12, 0, 21, tzinfo=UTC)
     assert progress.save_blocking_seconds == 1.25
+
+
+def test_the_trainer_parses_the_adaptive_policy_the_operator_sets():
+    checkpoint = {"directory": "gs://acme-ckpt/runs", "policy": "adaptive", "overheadBudgetPercent": 7.5,
+                  "minIntervalSeconds": 2, "maxIntervalSeconds": 600}  # fmt: skip
+    tj = training_job(checkpoint=checkpoint, status={"restarts": 1})
+    env = _pod_env(build_jobset(tj, attempt=1, resume_step=None), 0, 0)
+    cfg = parse_config([], env)
+    assert cfg.checkpoint is not None and cfg.checkpoint.policy == "adaptive"
+    assert float(env[contract.Env.CHECKPOINT_OVERHEAD_BUDGET_PERCENT]) == 7.5
+    assert float(env[contract.Env.CHECKPOINT_MAX_INTERVAL_SECONDS]) == 600
+    assert float(env[contract.Env.MTBF_SECONDS]) == (0 + 6 * 3600) / 2  # no ledger yet: the prior over 2
+
+
+def test_the_operator_reads_the_adaptive_cadence_the_trainer_reports():
+    record = contract.ProgressRecord(
+        step=10, attempt=0, updated_at=contract.now_rfc3339(), checkpoint_interval_seconds=12.5,
+        checkpoint_interval_bound="young_daly", save_cost_seconds=0.4, checkpoint_overhead_percent=3.2,
+        mtbf_seconds=21600.0,
+    )  # fmt: skip
+    cadence = parse_progress(contract.to_json(record).encode()).cadence
+    assert cadence is not None
+    assert (cadence.interval_seconds, cadence.bound, cadence.save_cost_seconds) == (12.5, "young_daly", 0.4)
+    assert (cadence.overhead_percent, cadence.mtbf_seconds) == (3.2, 21600.0)
+    plain = contract.ProgressRecord(step=10, attempt=0, updated_at=contract.now_rfc3339())
+    assert parse_progress(contract.to_json(plain).encode()).cadence is None
 
 
 def test_a_record_of_an_older_trainer_is_still_read():

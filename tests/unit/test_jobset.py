@@ -29,6 +29,7 @@ CASES = {
         env=[{"name": "TPUJOB_MODEL", "value": "1b"}],
         resources={"requests": {"memory": "200Gi"}},
         serviceAccountName="trainer",
+        automountServiceAccountToken=True,
     ),
 }
 
@@ -108,3 +109,43 @@ def test_longest_allowed_name_keeps_pod_hostnames_within_dns_label_limit():
     name = "n" * 40
     host = coordinator_host(jobset_name(name, 999)).split(".")[0].replace("-0-0", "-255-255")
     assert len(host) <= 63
+
+
+ADAPTIVE_NAMES = (
+    "TPUJOB_CHECKPOINT_OVERHEAD_BUDGET_PERCENT",
+    "TPUJOB_CHECKPOINT_MAX_INTERVAL_SECONDS",
+    "TPUJOB_MTBF_SECONDS",
+)
+
+
+def test_adaptive_policy_carries_its_budget_bounds_and_the_failure_rate():
+    checkpoint = {"directory": "gs://acme-ckpt/runs", "policy": "adaptive", "maxIntervalSeconds": 900}
+    status = {"restarts": 3, "goodput": {"wallSeconds": 7200, "badput": {"schedulingSeconds": 600}}}
+    env = _env(build_jobset(training_job(checkpoint=checkpoint, status=status), attempt=3, resume_step=None))
+    assert env["TPUJOB_CHECKPOINT_POLICY"] == "adaptive"
+    assert env["TPUJOB_CHECKPOINT_OVERHEAD_BUDGET_PERCENT"] == "5.0"  # the documented default
+    assert env["TPUJOB_CHECKPOINT_MAX_INTERVAL_SECONDS"] == "900.0"
+    assert float(env["TPUJOB_MTBF_SECONDS"]) == round((7200 - 600 + 6 * 3600) / 4, 1)
+    without_max = {"directory": "gs://acme-ckpt/runs", "policy": "adaptive", "overheadBudgetPercent": 10}
+    env = _env(build_jobset(training_job(checkpoint=without_max), attempt=0, resume_step=None))
+    assert env["TPUJOB_CHECKPOINT_OVERHEAD_BUDGET_PERCENT"] == "10.0"
+    assert "TPUJOB_CHECKPOINT_MAX_INTERVAL_SECONDS" not in env
+
+
+def test_other_policies_carry_no_adaptive_settings():
+    env = _env(build_jobset(training_job(), attempt=0, resume_step=None))
+    assert not set(ADAPTIVE_NAMES) & set(env)
+
+
+def test_worker_pods_meet_the_restricted_pod_security_standard():
+    pod = build_jobset(training_job(), attempt=0, resume_step=None)["spec"]["replicatedJobs"][0]["template"]["spec"]
+    spec = pod["template"]["spec"]
+    assert spec["securityContext"] == {"runAsNonRoot": True, "seccompProfile": {"type": "RuntimeDefault"}}
+    for container in spec["containers"]:
+        assert container["securityContext"] == {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}}
+        assert "privileged" not in container and "hostPort" not in str(container["ports"])
+    assert not any(key.startswith("host") for key in spec)  # hostNetwork/hostPID/hostIPC, hostPath volumes
+    # No Kubernetes API token unless the spec asks for one.
+    assert spec["automountServiceAccountToken"] is False
+    asked = build_jobset(training_job(automountServiceAccountToken=True), attempt=0, resume_step=None)
+    assert asked["spec"]["replicatedJobs"][0]["template"]["spec"]["template"]["spec"]["automountServiceAccountToken"]

@@ -36,7 +36,12 @@ def test_exposure_is_time_on_nodes_not_waiting_for_them():
             "goodput": {
                 "wallSeconds": 5000,
                 "productiveSeconds": 3000,
-                "badput": {"schedulingSeconds": 1200, "suspendedSeconds": 400, "queuedSeconds": 100, "startupSeconds": 300},
+                "badput": {
+                    "schedulingSeconds": 1200,
+                    "suspendedSeconds": 400,
+                    "queuedSeconds": 100,
+                    "startupSeconds": 300,
+                },
             },
         }
     )

@@ -189,3 +189,21 @@ def test_only_the_true_condition_carries_the_current_message():
     running = next(c for c in status.conditions if c.type == "Running")
     assert (running.status, running.message) == ("True", "training at step 3")
     assert (pending.status, pending.reason, pending.message) == ("False", "Running", "the job is Running")
+
+
+def test_the_adaptive_cadence_of_the_current_attempt_is_shown_in_status():
+    from tpujob_operator.facts import Cadence
+
+    tj = training_job(status={"phase": "Running", "attempt": 1})
+    cadence = Cadence(interval_seconds=42.0, bound="young_daly", save_cost_seconds=0.8, overhead_percent=1.9,
+                      mtbf_seconds=10800.0)  # fmt: skip
+    status, _ = reconcile(tj, Observed(now=T0, jobsets=(_active(1),), progress=_progress(step=9, attempt=1,
+                          updated_at=T0, cadence=cadence)))  # fmt: skip
+    shown = status.checkpoint_cadence
+    assert shown is not None
+    assert (shown.interval_seconds, shown.bound, shown.overhead_percent, shown.mtbf_seconds) == (
+        42.0, "young_daly", 1.9, 10800.0)  # fmt: skip
+    older = _progress(step=9, attempt=0, updated_at=T0, cadence=cadence)  # the previous attempt's record
+    status, _ = reconcile(training_job(status={"phase": "Running", "attempt": 1}),
+                          Observed(now=T0, jobsets=(_active(1),), progress=older))  # fmt: skip
+    assert status.checkpoint_cadence is None

@@ -12,7 +12,11 @@ A pod bound to one of the devcluster's nodes runs as a local process:
   apiserver and the GCS emulator on the host's loopback;
 - status goes back to the API as kubelet reports it: Running with podIP, then Succeeded/Failed with
   the real exit code (128+signal when killed); deleting the pod sends SIGTERM, then SIGKILL after
-  the grace period, as kubelet does.
+  the grace period, as kubelet does;
+- securityContext (runAsNonRoot, runAsUser, capabilities, seccomp) is not applied: every process
+  runs as the runner's user, since the project's interpreter is not readable by other users. The
+  apiserver's PodSecurity admission is the real check of the pod spec (on by default);
+  automountServiceAccountToken: false is honoured (no token is mounted).
 Logs: <state>/pods/<namespace>/<pod>/log (path printed by `make up`).
 """
 
@@ -62,7 +66,8 @@ def container_argv(container: dict[str, Any], images: list[tuple[str, list[str]]
         found = next((entry for pattern, entry in images if fnmatch.fnmatch(container["image"], pattern)), None)
         if found is None:
             raise ValueError(f"image {container['image']!r} has no entry in the pod runner's image table")
-        entrypoint = [python if part == "{python}" else part for part in found]
+        cache = os.environ.get("TPUJOB_CACHE") or str(Path.home() / ".cache" / "tpujob")
+        entrypoint = [python if part == "{python}" else part.replace("{cache}", cache) for part in found]
     return entrypoint + list(container.get("args") or [])
 
 

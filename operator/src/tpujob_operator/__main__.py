@@ -13,7 +13,7 @@ import os
 
 import kopf
 
-from . import handlers, leader  # noqa: F401  (importing handlers registers them)
+from . import handlers, leader, policy  # importing handlers registers them
 from .kube import load_config
 from .metrics import DEFAULT_PORT, METRICS
 
@@ -35,7 +35,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     election.add_argument("--lease-duration", type=int, default=15, metavar="SECONDS")
     election.add_argument("--renew-deadline", type=int, default=10, metavar="SECONDS")
     election.add_argument("--retry-period", type=int, default=2, metavar="SECONDS")
+    parser.add_argument(
+        "--default-queue-name",
+        default=os.environ.get("TPUJOB_DEFAULT_QUEUE_NAME") or None,
+        help="Kueue LocalQueue for TrainingJobs without the kueue.x-k8s.io/queue-name label (default: none)",
+    )
+    policy.add_arguments(parser)
     args = parser.parse_args(argv)
+    try:
+        args.policy = policy.from_arguments(args)
+    except ValueError as error:
+        parser.error(str(error))
     if args.leader_elect and (problem := election_settings(args, identity="-").problem()):
         parser.error(problem)
     return args
@@ -53,6 +63,9 @@ def election_settings(args: argparse.Namespace, identity: str) -> leader.Electio
 
 
 async def run(args: argparse.Namespace) -> None:
+    handlers.RUNTIME.policy = args.policy
+    handlers.RUNTIME.default_queue = args.default_queue_name
+    log.info("policy: %s", args.policy)
     if args.leader_elect:
         load_config()  # the client's LeaseLock uses the default API client
         elector = leader.Elector(election_settings(args, leader.default_identity()))

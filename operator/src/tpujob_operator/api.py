@@ -14,6 +14,7 @@ import tpujob_contract as contract
 from pydantic import BaseModel, ConfigDict, Field, JsonValue, ValidationInfo, field_validator, model_validator
 from pydantic.alias_generators import to_camel
 
+from . import maxtext
 from .tpu import ACCELERATORS
 
 GROUP = "tpujob.dev"
@@ -72,7 +73,10 @@ FailureKind = Literal[
     "Unknown",
 ]
 # Which clock a live job is on; each has its own deadline (spec.restart.*TimeoutSeconds).
-Stage = Literal["Scheduling", "StartingUp", "Training", "BackingOff", "Suspended", "Finished"]
+Stage = Literal["Queued", "Scheduling", "StartingUp", "Training", "BackingOff", "Suspended", "Finished"]
+# Kueue's labels: the LocalQueue a workload waits in, and its WorkloadPriorityClass.
+QUEUE_LABEL = "kueue.x-k8s.io/queue-name"
+PRIORITY_CLASS_LABEL = "kueue.x-k8s.io/priority-class"
 
 
 def cel(
@@ -106,6 +110,10 @@ QUANTITY_MESSAGE = "spec.resources.{field} values must be non-negative Kubernete
 DIRECTORY_EMPTY_SEGMENT_MESSAGE = "spec.checkpoint.directory must not contain an empty path segment (//)"
 DIRECTORY_DOT_SEGMENT_MESSAGE = "spec.checkpoint.directory must not contain a . or .. path segment"
 BACKOFF_MESSAGE = "spec.restart.maxBackoffSeconds must be at least spec.restart.backoffSeconds"
+ADAPTIVE_ONLY_MESSAGE = "spec.checkpoint.{field} applies only to spec.checkpoint.policy adaptive"
+MAX_INTERVAL_MESSAGE = "spec.checkpoint.maxIntervalSeconds must be at least spec.checkpoint.minIntervalSeconds"
+DEFAULT_OVERHEAD_BUDGET_PERCENT = 5.0
+MAX_OVERHEAD_BUDGET_PERCENT = 50.0
 
 # What k8s.io/apimachinery resource.ParseQuantity (and so CEL isQuantity()) accepts: an optionally
 # signed decimal number, then a binary-SI suffix, a decimal-SI suffix or a decimal exponent. Like
@@ -270,7 +278,21 @@ class CheckpointSpec(ApiModel):
                     "self.policy != 'interval' || has(self.intervalSteps)",
                     "spec.checkpoint.intervalSteps is required when spec.checkpoint.policy is interval",
                     ".intervalSteps",
-                )
+                ),
+                *(
+                    cel(
+                        f"self.policy == 'adaptive' || !has(self.{field})",
+                        ADAPTIVE_ONLY_MESSAGE.format(field=field),
+                        f".{field}",
+                    )
+                    for field in ("overheadBudgetPercent", "maxIntervalSeconds")
+                ),
+                cel(
+                    "!has(self.maxIntervalSeconds) || !has(self.minIntervalSeconds) "
+                    "|| self.maxIntervalSeconds >= self.minIntervalSeconds",
+                    MAX_INTERVAL_MESSAGE,
+                    ".maxIntervalSeconds",
+                ),
             ]
         }
     )
@@ -290,18 +312,35 @@ class CheckpointSpec(ApiModel):
             ]
         },
     )
-    policy: Literal["continuous", "interval"] = Field(
+    policy: Literal["continuous", "interval", "adaptive"] = Field(
         default="continuous",
         description=(
             "continuous: start a new async save as soon as the previous one finished (no more often than "
-            "minIntervalSeconds); interval: save every intervalSteps steps."
+            "minIntervalSeconds); interval: save every intervalSteps steps; adaptive: the shortest interval "
+            "whose measured step-time cost stays within overheadBudgetPercent, and never shorter than the "
+            "Young/Daly optimum for the job's failure rate."
         ),
     )
     min_interval_seconds: float = Field(
         default=0,
         ge=0,
         le=MAX_MIN_INTERVAL_SECONDS,
-        description="Floor between two continuous saves, in seconds (0: back to back).",
+        description="Floor between two continuous or adaptive saves, in seconds (0: back to back).",
+    )
+    overhead_budget_percent: float | None = Field(
+        default=None,
+        gt=0,
+        le=MAX_OVERHEAD_BUDGET_PERCENT,
+        description=(
+            f"adaptive: step-time overhead allowed for checkpointing, in percent (default "
+            f"{DEFAULT_OVERHEAD_BUDGET_PERCENT:g})."
+        ),
+    )
+    max_interval_seconds: float | None = Field(
+        default=None,
+        gt=0,
+        le=MAX_MIN_INTERVAL_SECONDS,
+        description="adaptive: ceiling on the interval between two saves, in seconds (default: none).",
     )
     interval_steps: int | None = Field(
         default=None, ge=1, le=MAX_STEPS, description="Steps between saves for the interval policy."
@@ -327,6 +366,18 @@ class CheckpointSpec(ApiModel):
         if any(segment in (".", "..") for segment in path.split("/")):
             raise ValueError(DIRECTORY_DOT_SEGMENT_MESSAGE)
         return directory
+
+    @model_validator(mode="after")
+    def _adaptive_fields(self) -> CheckpointSpec:
+        """The CEL rules above, for objects that reach the operator without the apiserver (tests, old CRDs)."""
+        if self.policy != "adaptive":
+            for field, value in (("overheadBudgetPercent", self.overhead_budget_percent),
+                                 ("maxIntervalSeconds", self.max_interval_seconds)):  # fmt: skip
+                if value is not None:
+                    raise ValueError(ADAPTIVE_ONLY_MESSAGE.format(field=field))
+        if self.max_interval_seconds is not None and self.max_interval_seconds < self.min_interval_seconds:
+            raise ValueError(MAX_INTERVAL_MESSAGE)
+        return self
 
 
 class RestartSpec(ApiModel):
@@ -395,7 +446,18 @@ class RestartSpec(ApiModel):
 
 
 class TrainingJobSpec(ApiModel):
+    # spec.framework maxtext: what MaxText cannot honour is refused (maxtext.CEL_RULES, maxtext.refusals).
+    model_config = ConfigDict(json_schema_extra={"x-kubernetes-validations": maxtext.CEL_RULES})
+
     image: str = Field(min_length=1, description="Trainer container image.")
+    framework: Literal["tpujob", "maxtext"] = Field(
+        default="tpujob",
+        description=(
+            "tpujob: the image runs the project's trainer contract (TPUJOB_* env, progress record). maxtext: "
+            "the image runs MaxText (python -m maxtext.trainers.pre_train.train) unchanged; the operator "
+            "appends MaxText's checkpoint flags to args and sets XPK's start-up env (README, Running MaxText)."
+        ),
+    )
     command: list[str] | None = Field(
         default=None, max_length=MAX_COMMAND, description="Container entrypoint (defaults to the image's)."
     )
@@ -411,7 +473,17 @@ class TrainingJobSpec(ApiModel):
     resources: Resources | None = Field(default=None, description="Extra container resources besides the TPU chips.")
     service_account_name: str | None = Field(
         default=None,
-        description="Kubernetes ServiceAccount of the workers (bind it to a GCP one with Workload Identity).",
+        description=(
+            "Kubernetes ServiceAccount of the workers (bind it to a GCP one with Workload Identity). The "
+            "operator's policy may forbid it; it is never allowed in the operator's own namespace."
+        ),
+    )
+    automount_service_account_token: bool = Field(
+        default=False,
+        description=(
+            "Mount the ServiceAccount's Kubernetes API token into the workers. Off by default: the trainer "
+            "needs no Kubernetes credentials (GKE's Workload Identity does not need the token either)."
+        ),
     )
     tpu: TpuSpec = Field(
         description="TPU slice shape and count. Immutable after creation.",
@@ -422,6 +494,23 @@ class TrainingJobSpec(ApiModel):
         default_factory=RestartSpec, description="Automatic restart policy.", json_schema_extra={"default": {}}
     )
     suspend: bool = Field(default=False, description="Suspend the job: workers are stopped, checkpoints kept.")
+    priority_class_name: str | None = Field(
+        default=None,
+        max_length=253,
+        pattern=r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$",
+        description=(
+            "PriorityClass of the worker pods (the scheduler's preemption; Kueue's too, unless the "
+            "kueue.x-k8s.io/priority-class label names a WorkloadPriorityClass)."
+        ),
+    )
+
+    @model_validator(mode="after")
+    def _framework_can_honour_the_policy(self) -> TrainingJobSpec:
+        """maxtext.CEL_RULES, for objects that reach the operator without the apiserver."""
+        refused = maxtext.refusals(self)
+        if refused:
+            raise ValueError("; ".join(refused))
+        return self
 
 
 class Condition(ApiModel):
@@ -462,7 +551,8 @@ class Badput(ApiModel):
         default=0,
         description="A failure until its replacement's pods are all scheduled (detection, backoff, teardown).",
     )
-    suspended_seconds: float = Field(default=0, description="Suspended (spec.suspend or a queue).")
+    suspended_seconds: float = Field(default=0, description="Suspended (spec.suspend or another controller).")
+    queued_seconds: float = Field(default=0, description="Waiting in a Kueue queue for admission (quota).")
 
 
 class Goodput(ApiModel):
@@ -495,6 +585,33 @@ class FailureRecord(ApiModel):
     timeline: FailureTimeline = Field(default_factory=FailureTimeline, description="The recovery, stage by stage.")
 
 
+class CheckpointCadence(ApiModel):
+    """The adaptive policy's interval in force, as the current attempt's trainer reports it."""
+
+    interval_seconds: float | None = Field(default=None, description="Seconds between save starts now.")
+    bound: str | None = Field(
+        default=None, description="What sets the interval: budget, young_daly, min or max (the spec's bounds)."
+    )
+    save_cost_seconds: float | None = Field(
+        default=None, description="Measured cost of one save: loop blocked + steps slowed while it wrote."
+    )
+    overhead_percent: float | None = Field(
+        default=None, description="Measured step-time overhead of saving in this attempt, in percent."
+    )
+    mtbf_seconds: float | None = Field(
+        default=None, description="The operator's mean-time-between-failures estimate this attempt was given."
+    )
+
+
+class QueueStatus(ApiModel):
+    """Kueue admission of the current attempt (jobs with a queue only)."""
+
+    name: str = Field(description="The LocalQueue (label kueue.x-k8s.io/queue-name, or the operator's default).")
+    admitted: bool = Field(default=False, description="Kueue has admitted the current attempt's JobSet.")
+    admission_time: str | None = Field(default=None, description="When Kueue admitted it.")
+    reason: str | None = Field(default=None, description="Why it waits, as Kueue says it.")
+
+
 class TrainingJobStatus(ApiModel):
     phase: Phase | None = None
     conditions: list[Condition] = Field(default_factory=list)
@@ -524,6 +641,10 @@ class TrainingJobStatus(ApiModel):
     storage_recovery_time: str | None = Field(
         default=None,
         description="When checkpoint storage became readable again after an outage; no clock counts the outage.",
+    )
+    queue: QueueStatus | None = Field(default=None, description="Kueue admission, for jobs that use a queue.")
+    checkpoint_cadence: CheckpointCadence | None = Field(
+        default=None, description="checkpoint.policy adaptive: the interval in force and what it rests on."
     )
 
 

@@ -19,13 +19,13 @@ import kopf
 from kubernetes.client.exceptions import ApiException
 from pydantic import ValidationError
 
-from . import api, checkpoints
+from . import api, checkpoints, maxtext, policy
 from .facts import Actions, Observed
-from .jobset import LABEL_ATTEMPT, LABEL_NAME, build_jobset
-from .kube import Cluster, Conflict, expected_pods, incarnation_uid, jobset_facts, load_config
+from .jobset import LABEL_ATTEMPT, LABEL_NAME, build_jobset, queue_name
+from .kube import Cluster, Conflict, expected_pods, incarnation_uid, jobset_facts, load_config, workload_admission
 from .metrics import METRICS
 from .reconcile import POLL_SECONDS, TERMINAL_PHASES, reconcile, with_creation_refused
-from .status import with_phase
+from .status import rfc3339, with_phase
 
 log = logging.getLogger("tpujob")
 JobKey = tuple[str, str]  # (namespace, name)
@@ -48,6 +48,8 @@ class Runtime:
         # what they said on the way out is what classifies it.
         self.ended_pods: defaultdict[JobKey, dict[str, dict[str, Any]]] = defaultdict(dict)
         self.wakeups: dict[JobKey, asyncio.TimerHandle] = {}  # reconciles due before the next poll
+        self.policy = policy.Policy()  # what a job may ask for (the chart's `policy` values, as flags)
+        self.default_queue: str | None = None  # Kueue LocalQueue for jobs without the queue label
 
     def cluster(self) -> Cluster:
         if self._cluster is None:
@@ -141,7 +143,16 @@ def _observe(tj: api.TrainingJob, raw_jobsets: list[dict[str, Any]], pods: list[
         live = current and not js["metadata"].get("deletionTimestamp") and not (js.get("spec") or {}).get("suspend")
         if live and len(attempt_pods) < expected_pods(js):  # only then can a refusal be the reason
             refused = RUNTIME.cluster().pod_creation_refusal(tj.namespace, js["metadata"]["name"])
-        facts.append(jobset_facts(js, attempt_pods if current else [], refused))
+        admission: tuple[datetime | None, str | None] = (None, None)
+        if current and (js["metadata"].get("labels") or {}).get(api.QUEUE_LABEL):
+            workload = RUNTIME.cluster().workload_of(tj.namespace, js["metadata"]["uid"])
+            admission = workload_admission(workload) if workload else (None, None)
+        facts.append(jobset_facts(js, attempt_pods if current else [], refused, admission))
+    if tj.spec.framework == maxtext.FRAMEWORK and error is None:  # MaxText writes no progress record
+        try:
+            progress = maxtext.read_progress(RUNTIME.storage(), tj, latest, facts)
+        except checkpoints.StorageError as failure:
+            error = str(failure)
     return Observed(
         now=datetime.now(UTC),
         jobsets=tuple(facts),
@@ -149,6 +160,7 @@ def _observe(tj: api.TrainingJob, raw_jobsets: list[dict[str, Any]], pods: list[
         progress=progress,
         storage_error=error,
         foreign_pods=len(foreign_running),
+        queue_name=queue_name(tj, RUNTIME.default_queue),
     )
 
 
@@ -173,8 +185,11 @@ def _apply(tj: api.TrainingJob, body: dict[str, Any], status: api.TrainingJobSta
     METRICS.observe_reconcile(tj.namespace, tj.name, tj.status, status, datetime.now(UTC))  # the decision is stored
     for name in actions.delete:
         kube.delete_jobset(tj.namespace, name)
+    for name in actions.stop:
+        kube.delete_jobset(tj.namespace, name, save=True)
     if actions.create_attempt is not None:
-        manifest = build_jobset(tj, actions.create_attempt, actions.resume_step)
+        queue = queue_name(tj, RUNTIME.default_queue)
+        manifest = build_jobset(tj, actions.create_attempt, actions.resume_step, queue)
         try:
             if not kube.create_jobset(tj.namespace, manifest):
                 log.info("JobSet %s already exists (adopted)", manifest["metadata"]["name"])
@@ -202,6 +217,26 @@ def _report_invalid(body: dict[str, Any], error: ValidationError) -> None:
     RUNTIME.cluster().post_event(body, "Warning", "InvalidSpec", message)
 
 
+def _refuse_for_policy(body: dict[str, Any], tj: api.TrainingJob, problems: list[str]) -> None:
+    """A job that breaks the multi-tenant policy: Failed, an Event, its JobSets (if a spec change
+    made it violate) deleted; nothing is created for it and its checkpoint directory is never read."""
+    kube = RUNTIME.cluster()
+    message = "; ".join(problems)
+    now = datetime.now(UTC)
+    status = with_phase(tj.status, "Failed", policy.REASON, message, now)
+    update = {
+        "stage": "Finished",
+        "stage_start_time": rfc3339(now),
+        "observed_generation": tj.metadata.get("generation"),
+    }
+    status = status.model_copy(update=update)
+    kube.replace_status(body, _dump(status))
+    kube.post_event(body, "Warning", policy.REASON, message)
+    for js in kube.list_jobsets(tj.namespace, tj.name):
+        if incarnation_uid(js) == tj.metadata.get("uid") and not js["metadata"].get("deletionTimestamp"):
+            kube.delete_jobset(tj.namespace, js["metadata"]["name"])
+
+
 def _reconcile_once(namespace: str, name: str) -> float | None:
     kube = RUNTIME.cluster()
     key = (namespace, name)
@@ -216,6 +251,10 @@ def _reconcile_once(namespace: str, name: str) -> float | None:
         RUNTIME.forget(key)
         return None
     if tj.status.phase in TERMINAL_PHASES:
+        RUNTIME.forget(key)
+        return None
+    if problems := policy.violations(tj, RUNTIME.policy):
+        _refuse_for_policy(body, tj, problems)
         RUNTIME.forget(key)
         return None
     raw_jobsets = kube.list_jobsets(namespace, name)

@@ -7,11 +7,22 @@ find the JAX coordinator at <jobset>-slice-0-0.<jobset>.
 
 from __future__ import annotations
 
+import copy
 from typing import Any
 
 import tpujob_contract as contract
 
-from .api import GROUP, KIND, VERSION, TrainingJob
+from . import maxtext
+from .api import (
+    DEFAULT_OVERHEAD_BUDGET_PERCENT,
+    GROUP,
+    KIND,
+    PRIORITY_CLASS_LABEL,
+    QUEUE_LABEL,
+    VERSION,
+    TrainingJob,
+)
+from .cadence import job_mtbf
 from .tpu import slice_shape
 
 JOBSET_GROUP = "jobset.x-k8s.io"
@@ -36,6 +47,11 @@ TOPOLOGY_LABEL = "cloud.google.com/gke-tpu-topology"
 TPU_RESOURCE = "google.com/tpu"
 # Time a worker gets after SIGTERM to finish the in-flight save and write the current step.
 TERMINATION_GRACE_SECONDS = 120
+# Pod Security "restricted": the worker runs as the image's non-root (numeric) USER, cannot gain
+# privileges, holds no capabilities and runs under the runtime's default seccomp profile. TPU chips
+# reach the container through the device plugin, without privileges.
+POD_SECURITY_CONTEXT: dict[str, Any] = {"runAsNonRoot": True, "seccompProfile": {"type": "RuntimeDefault"}}
+CONTAINER_SECURITY_CONTEXT: dict[str, Any] = {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}}
 
 
 def jobset_name(name: str, attempt: int) -> str:
@@ -89,6 +105,21 @@ def trainer_env(tj: TrainingJob, attempt: int, resume_step: int | None, js_name:
         _env(env.CHECKPOINT_KEEP_LATEST, ckpt.keep.latest),
         _env(env.CHECKPOINT_KEEP_EVERY_STEPS, ckpt.keep.every_steps or 0),
         _env(env.CHECKPOINT_SAVE_ON_PREEMPTION, ckpt.save_on_preemption),
+        *_adaptive_env(tj),
+    ]
+
+
+def _adaptive_env(tj: TrainingJob) -> list[dict[str, str]]:
+    """The adaptive policy's budget and bounds, and the failure rate it weighs saves against."""
+    ckpt = tj.spec.checkpoint
+    if ckpt.policy != "adaptive":
+        return []
+    env = contract.Env
+    budget = ckpt.overhead_budget_percent or DEFAULT_OVERHEAD_BUDGET_PERCENT
+    return [
+        _env(env.CHECKPOINT_OVERHEAD_BUDGET_PERCENT, budget),
+        *([_env(env.CHECKPOINT_MAX_INTERVAL_SECONDS, ckpt.max_interval_seconds)] if ckpt.max_interval_seconds else []),
+        _env(env.MTBF_SECONDS, round(job_mtbf(tj.status), 1)),
     ]
 
 
@@ -99,6 +130,13 @@ def _resources(tj: TrainingJob, chips_per_host: int) -> dict[str, dict[str, int 
     requests[TPU_RESOURCE] = chips_per_host
     limits[TPU_RESOURCE] = chips_per_host
     return {"requests": requests, "limits": limits}
+
+
+def _kueue_labels(tj: TrainingJob, queue: str | None) -> dict[str, str]:
+    if not queue:
+        return {}
+    priority = (tj.metadata.get("labels") or {}).get(PRIORITY_CLASS_LABEL)
+    return {QUEUE_LABEL: queue, **({PRIORITY_CLASS_LABEL: priority} if priority else {})}
 
 
 def owner_reference(tj: TrainingJob) -> dict[str, Any]:
@@ -112,7 +150,16 @@ def owner_reference(tj: TrainingJob) -> dict[str, Any]:
     }
 
 
-def build_jobset(tj: TrainingJob, attempt: int, resume_step: int | None) -> dict[str, Any]:
+def queue_name(tj: TrainingJob, default: str | None) -> str | None:
+    """The Kueue LocalQueue of the job: its own label, else the operator's default (None: no Kueue)."""
+    labelled = (tj.metadata.get("labels") or {}).get(QUEUE_LABEL)
+    return labelled or default or None
+
+
+def build_jobset(tj: TrainingJob, attempt: int, resume_step: int | None, queue: str | None = None) -> dict[str, Any]:
+    """With a queue, Kueue decides when the JobSet runs: it is created suspended, and its workers
+    resume from the latest committed step (not a pinned one), since Kueue may preempt and resume
+    the same JobSet after its pods saved a newer step on SIGTERM."""
     shape = slice_shape(tj.spec.tpu.accelerator, tj.spec.tpu.topology)
     name = jobset_name(tj.name, attempt)
     labels = {
@@ -121,33 +168,48 @@ def build_jobset(tj: TrainingJob, attempt: int, resume_step: int | None) -> dict
         LABEL_UID: str(tj.metadata["uid"]),
         "app.kubernetes.io/managed-by": "tpujob",
     }
+    if queue:
+        resume_step = None
+    jobset_labels = {**labels, **_kueue_labels(tj, queue)}
     container: dict[str, Any] = {
         "name": CONTAINER,
         "image": tj.spec.image,
         "env": trainer_env(tj, attempt, resume_step, name),
         "ports": [{"name": "coordinator", "containerPort": COORDINATOR_PORT}],
         "resources": _resources(tj, shape.chips_per_host),
+        "securityContext": copy.deepcopy(CONTAINER_SECURITY_CONTEXT),
     }
     if tj.spec.command:
         container["command"] = list(tj.spec.command)
     if tj.spec.args:
         container["args"] = list(tj.spec.args)
+    if tj.spec.framework == maxtext.FRAMEWORK:  # MaxText's checkpoint flags after the user's, XPK's env
+        container["args"] = [*(tj.spec.args or []), *maxtext.maxtext_args(tj)]
+        container["env"] += [
+            *maxtext.maxtext_env(tj, coordinator_host(name), shape.hosts),
+            _slice_index_env(maxtext.JOB_INDEX),
+        ]
     pod_spec: dict[str, Any] = {
         "restartPolicy": "Never",
         "terminationGracePeriodSeconds": TERMINATION_GRACE_SECONDS,
         "nodeSelector": {ACCELERATOR_LABEL: shape.accelerator, TOPOLOGY_LABEL: shape.topology},
         "tolerations": [{"key": TPU_RESOURCE, "operator": "Exists", "effect": "NoSchedule"}],
         "containers": [container],
+        "securityContext": copy.deepcopy(POD_SECURITY_CONTEXT),
+        # The trainer needs no Kubernetes credentials unless the spec asks for them.
+        "automountServiceAccountToken": tj.spec.automount_service_account_token,
     }
     if tj.spec.service_account_name:
         pod_spec["serviceAccountName"] = tj.spec.service_account_name
+    if tj.spec.priority_class_name:
+        pod_spec["priorityClassName"] = tj.spec.priority_class_name
     return {
         "apiVersion": f"{JOBSET_GROUP}/{JOBSET_VERSION}",
         "kind": "JobSet",
         "metadata": {
             "name": name,
             "namespace": tj.namespace,
-            "labels": labels,
+            "labels": jobset_labels,
             "annotations": {
                 EXCLUSIVE_TOPOLOGY: NODE_POOL_LABEL,
                 ANNOTATION_RESUME_STEP: str(-1 if resume_step is None else resume_step),
@@ -160,7 +222,7 @@ def build_jobset(tj: TrainingJob, attempt: int, resume_step: int | None) -> dict
             # (found in GCS) into the workers' env and be classified and accounted for in status.
             "failurePolicy": {"maxRestarts": 0},
             "network": {"enableDNSHostnames": True, "publishNotReadyAddresses": True},
-            "suspend": tj.spec.suspend,
+            "suspend": tj.spec.suspend or queue is not None,
             "replicatedJobs": [
                 {
                     "name": REPLICATED_JOB,
