@@ -200,10 +200,18 @@ class E2E:
         return sorted(steps)
 
 
+# Every e2e namespace enforces the `restricted` Pod Security standard (the apiserver's PodSecurity
+# admission): each job, failure and restart of the e2e tier shows the worker pods pass it.
+RESTRICTED = {
+    "pod-security.kubernetes.io/enforce": "restricted",
+    "pod-security.kubernetes.io/enforce-version": "latest",
+}
+
+
 def make_namespace(cluster: DevCluster, name: str) -> E2E:
-    """A namespace of its own (ready for pods) and the test's view of it."""
+    """A namespace of its own (ready for pods, enforcing `restricted`) and the test's view of it."""
     view = E2E(cluster, name)
-    view.core.create_namespace(client.V1Namespace(metadata=client.V1ObjectMeta(name=name)))
+    view.core.create_namespace(client.V1Namespace(metadata=client.V1ObjectMeta(name=name, labels=RESTRICTED)))
     # The ServiceAccount admission plugin needs the namespace's default ServiceAccount first.
     deadline = time.monotonic() + 30
     while not view.core.list_namespaced_service_account(name).items and time.monotonic() < deadline:
