@@ -1,24 +1,36 @@
-"""Checkpoint policies on one workload: none, fixed interval, continuous (with/without minimum interval).
+"""Checkpoint policies on one workload: none, fixed intervals (a sweep), continuous, adaptive.
 
-Runs the trainer's own model, optimizer, data and Orbax manager (tpujob_trainer) in one process
-against fake-gcs-server on loopback, and prints one JSON object. Per policy: median and mean step
-time, overhead vs no checkpointing, number of saves, checkpoint interval P50/P90 in steps and in
-seconds, median save duration (save() called -> commit_success.txt written, from Orbax's own
-commit timestamp), bytes per checkpoint, and the physical floor of the interval (save duration /
-step time of the no-checkpoint run).
+Runs the trainer's own model, optimizer, data, Orbax manager and adaptive cadence (tpujob_trainer)
+in one process against fake-gcs-server on loopback, one policy after the other, and prints one
+JSON object. Every step is waited for (loss fetched) so step times are real; the overlap of an
+async save with the following steps is exactly what the numbers show.
 
-    python bench/checkpoint_policies.py [--model small --steps 500 --interval 100 ...]
+Per policy (the first --quiet measured steps save nothing, so that every policy's meter starts
+from the same baseline of steps with no save in flight; saves then begin):
+- overhead: the trainer's own meter (tpujob_trainer.cadence.SaveCostMeter), the same for every
+  policy: (time blocked in save() + slowdown of the steps beside a background save, against the
+  median of this run's steps with no save in flight) / productive step time. It compares each run
+  with itself, so load from other work on the machine cancels out; `overhead_vs_none` (mean time
+  per step against the `none` run) is printed too and moves with that load.
+- interval P50/P90 between save starts, in steps and in seconds; median save duration (save() ->
+  Orbax's commit timestamp); bytes per checkpoint.
+- expected waste for a failure every --mtbf seconds: waste fraction = overhead + (expected work
+  lost + restart cost) / MTBF, where the work lost by a failure at a random moment is
+  sum(d^2) / (2 sum(d)) over the intervals d (half an interval when they are equal); per hour.
 
-Every step is waited for (loss fetched) so step times are real; the overlap of an async save with
-the following steps is exactly what the numbers show.
+Policies: none, none_async (no per-step wait: what timing every step costs), continuous,
+continuous_min:<s>, fixed:<steps>, adaptive:<budget %> (budget bound alone) and
+adaptive_mtbf:<budget %> (also told --mtbf, as the operator does: Young/Daly can bind).
+
+    python bench/checkpoint_policies.py [--model tiny --steps 3000 --sweep 10,20,50,100,200,500,1000 --mtbf 120]
 """
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import itertools
 import json
+import math
 import os
 import platform
 import statistics
@@ -32,11 +44,7 @@ from tpujob_contract import LATEST
 from tpujob_devcluster.fakegcs import start_fake_gcs
 
 BUCKET = "bench"
-
-
-@dataclasses.dataclass
-class Saves:
-    starts: dict[int, float] = dataclasses.field(default_factory=dict)  # step -> wall time of save()
+DEFAULT_POLICIES = "none,none_async,continuous,adaptive:5,adaptive:10,adaptive_mtbf:5"
 
 
 def _percentile(values: list[float], q: float) -> float | None:
@@ -47,11 +55,35 @@ def _percentile(values: list[float], q: float) -> float | None:
     return ordered[index]
 
 
-def _run_policy(args: argparse.Namespace, name: str, root: Path) -> dict[str, Any]:
+def _checkpoint_config(spec: str, mtbf: float) -> Any:
+    """The trainer's CheckpointConfig for a policy spec (None for none / none_async)."""
+    from tpujob_trainer.config import CheckpointConfig
+
+    kind, _, arg = spec.partition(":")
+    if kind in ("none", "none_async"):
+        return None
+    common: dict[str, Any] = dict(
+        min_interval_seconds=0.0, interval_steps=100, async_save=True, keep_latest=100_000, keep_every_steps=0,
+        save_on_preemption=False, resume=LATEST,
+    )  # fmt: skip
+    if kind == "continuous":
+        return CheckpointConfig(policy="continuous", **common)
+    if kind == "continuous_min":
+        return CheckpointConfig(policy="continuous", **(common | {"min_interval_seconds": float(arg)}))
+    if kind == "fixed":
+        return CheckpointConfig(policy="interval", **(common | {"interval_steps": int(arg)}))
+    if kind in ("adaptive", "adaptive_mtbf"):
+        told = mtbf if kind == "adaptive_mtbf" else None
+        return CheckpointConfig(policy="adaptive", overhead_budget_percent=float(arg), mtbf_seconds=told, **common)
+    raise SystemExit(f"unknown policy {spec!r}")
+
+
+def _run_policy(args: argparse.Namespace, spec: str, root: Path) -> dict[str, Any]:
     # Imported here: the emulator's environment must be in place before fsspec/gcsfs load.
     import orbax.checkpoint as ocp
-    from tpujob_trainer.checkpointing import CheckpointManager, PreemptionNotice, manager_options
-    from tpujob_trainer.config import CheckpointConfig, parse_config
+    from tpujob_trainer import checkpointing
+    from tpujob_trainer.cadence import SaveCostMeter
+    from tpujob_trainer.config import parse_config
     from tpujob_trainer.data import batch_for_step
     from tpujob_trainer.train import Trainer, make_mesh
 
@@ -60,88 +92,157 @@ def _run_policy(args: argparse.Namespace, name: str, root: Path) -> dict[str, An
          "--seq-len", str(args.seq_len)], {},
     ).train  # fmt: skip
     trainer = Trainer(cfg, make_mesh(1))
-    mngr = None
-    if name != "none":
-        ckpt = CheckpointConfig(
-            policy="interval" if name == "fixed_interval" else "continuous",
-            min_interval_seconds=args.min_interval if name == "continuous_min_interval" else 0.0,
-            interval_steps=args.interval, async_save=True, keep_latest=100_000, keep_every_steps=0,
-            save_on_preemption=False, resume=LATEST,
-        )  # fmt: skip
-        mngr = CheckpointManager(f"gs://{BUCKET}/{name}/checkpoints", manager_options(ckpt), PreemptionNotice(False))
+    ckpt = _checkpoint_config(spec, args.mtbf)
+    name = spec.replace(":", "-").replace(".", "_")
+    mngr, cadence = None, None
+    meter = SaveCostMeter()
+    if ckpt is not None:
+        options = checkpointing.manager_options(ckpt)
+        if policy := checkpointing.adaptive_policy(options):
+            cadence = checkpointing.AdaptiveCadence(ckpt, policy, announce=False)
+            meter = cadence.cadence.meter
+        directory = f"gs://{BUCKET}/{name}/checkpoints"
+        mngr = checkpointing.CheckpointManager(directory, options, checkpointing.PreemptionNotice(False))
+    wait_each_step = spec != "none_async"
     state = trainer.init()
+    starts: dict[int, float] = {}  # step -> wall time of the save() that started it
     step_times: list[float] = []
-    saves = Saves()
+    measured_from = 0.0
     for step in range(1, cfg.steps + 1):
+        if step == args.warmup + 1:  # the first steps compile
+            measured_from = time.perf_counter()
+        started = time.perf_counter()
         tokens = trainer.device_batch(
             batch_for_step(cfg.seed, step - 1, cfg.batch_size, cfg.seq_len, cfg.model.vocab_size)
         )
-        start = time.perf_counter()
         state, loss = trainer.step(state, tokens)
-        measured = step > args.warmup  # the first steps compile
-        if mngr and measured:
-            called = time.time()
-            if mngr.save(step, args=ocp.args.StandardSave(state)):
-                saves.starts[step] = called
-        float(loss.addressable_data(0))
-        if measured:
-            step_times.append(time.perf_counter() - start)
+        if wait_each_step:
+            float(loss.addressable_data(0))
+        if step <= args.warmup:
+            continue
+        step_s = time.perf_counter() - started
+        step_times.append(step_s)
+        if mngr is None:
+            continue
+        saving = mngr.is_saving_in_progress()
+        if cadence:
+            cadence.step(step_s, saving)
+        else:
+            meter.step(step_s, saving)
+        if step <= args.warmup + args.quiet:  # every policy's meter starts from the same idle baseline
+            continue
+        called, blocked_from = time.time(), time.perf_counter()
+        if mngr.save(step, args=ocp.args.StandardSave(state)):
+            starts[step] = called
+            (cadence or meter).saved(time.perf_counter() - blocked_from)
+    float(loss.addressable_data(0))
+    loop_s = time.perf_counter() - measured_from
     if mngr:
         mngr.wait_until_finished()
         mngr.close()
-    return _summarise(name, step_times, saves, root / BUCKET / name / "checkpoints")
+    result = _summarise(spec, step_times, loop_s, starts, root / BUCKET / name / "checkpoints")
+    if mngr:
+        result |= {"overhead": meter.overhead, "save_cost_s": meter.cost_s, "extra_s": meter.extra_s}
+    if cadence:
+        in_force = cadence.in_force
+        result |= {
+            "budget_percent": ckpt.overhead_budget_percent,
+            "mtbf_told_s": ckpt.mtbf_seconds,
+            "interval_in_force_s": None if in_force is None else in_force.seconds,
+            "bound": None if in_force is None else in_force.bound,
+        }
+    return result
 
 
-def _summarise(name: str, step_times: list[float], saves: Saves, directory: Path) -> dict[str, Any]:
-    steps = sorted(saves.starts)
+def _summarise(
+    spec: str, step_times: list[float], loop_s: float, starts: dict[int, float], directory: Path
+) -> dict[str, Any]:
+    steps = sorted(starts)
     durations, sizes = [], []
     for step in steps:
         meta = json.loads((directory / str(step) / "_CHECKPOINT_METADATA").read_text())
-        durations.append(meta["commit_timestamp_nsecs"] / 1e9 - saves.starts[step])
+        durations.append(meta["commit_timestamp_nsecs"] / 1e9 - starts[step])
         sizes.append(sum(f.stat().st_size for f in (directory / str(step)).rglob("*") if f.is_file()))
     gaps_steps = [float(b - a) for a, b in itertools.pairwise(steps)]
-    gaps_secs = [saves.starts[b] - saves.starts[a] for a, b in itertools.pairwise(steps)]
+    gaps_s = [starts[b] - starts[a] for a, b in itertools.pairwise(steps)]
     return {
-        "policy": name,
+        "policy": spec,
         "steps_measured": len(step_times),
+        "loop_s": loop_s,
+        "seconds_per_step": loop_s / len(step_times),
         "median_step_s": statistics.median(step_times),
-        "mean_step_s": statistics.fmean(step_times),
         "saves": len(steps),
         "interval_steps_p50": _percentile(gaps_steps, 50),
         "interval_steps_p90": _percentile(gaps_steps, 90),
-        "interval_s_p50": _percentile(gaps_secs, 50),
-        "interval_s_p90": _percentile(gaps_secs, 90),
+        "interval_s_p50": _percentile(gaps_s, 50),
+        "interval_s_p90": _percentile(gaps_s, 90),
+        # a failure at a uniformly random moment lands in an interval d with probability d / sum(d)
+        "expected_lost_s": sum(d * d for d in gaps_s) / (2 * sum(gaps_s)) if gaps_s else None,
         "median_save_s": statistics.median(durations) if durations else None,
         "bytes_per_checkpoint": int(statistics.median(sizes)) if sizes else None,
     }
 
 
+def _waste(result: dict[str, Any], mtbf: float, restart: float) -> None:
+    if result.get("overhead") is None or result["expected_lost_s"] is None:
+        return
+    fraction = result["overhead"] + (result["expected_lost_s"] + restart) / mtbf
+    result["waste_fraction"] = fraction
+    result["waste_s_per_hour"] = 3600 * fraction
+
+
+def _targets(results: list[dict[str, Any]]) -> dict[str, Any]:
+    """The issue's targets, as measured here (reported, never asserted)."""
+    fixed = [r for r in results if r["policy"].startswith("fixed:") and "waste_fraction" in r]
+    best = min(fixed, key=lambda r: r["waste_fraction"]) if fixed else None
+    fixed_100 = next((r for r in results if r["policy"] == "fixed:100"), None)
+    out: dict[str, Any] = {"best_fixed": best["policy"] if best else None}
+    for r in results:
+        if not r["policy"].startswith("adaptive"):
+            continue
+        target: dict[str, Any] = {}
+        if r.get("overhead") is not None:
+            target["overhead_within_budget_plus_1_point"] = 100 * r["overhead"] <= r["budget_percent"] + 1
+        if best and "waste_fraction" in r:
+            target["waste_vs_best_fixed"] = r["waste_fraction"] / best["waste_fraction"]
+            target["waste_within_10_percent_of_best_fixed"] = r["waste_fraction"] <= 1.1 * best["waste_fraction"]
+        if fixed_100 and r["interval_steps_p50"] and fixed_100["interval_steps_p50"]:
+            target["p50_interval_steps_vs_fixed_100"] = r["interval_steps_p50"] / fixed_100["interval_steps_p50"]
+            target["p50_interval_s_vs_fixed_100"] = r["interval_s_p50"] / fixed_100["interval_s_p50"]
+        out[r["policy"]] = target
+    return out
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default="small")
+    p.add_argument("--model", default="tiny")
     p.add_argument("--batch-size", type=int, default=8)
-    p.add_argument("--seq-len", type=int, default=128)
-    p.add_argument("--steps", type=int, default=500, help="measured steps per policy")
-    p.add_argument("--warmup", type=int, default=5, help="unmeasured first steps (compilation)")
-    p.add_argument("--interval", type=int, default=100, help="fixed-interval policy: save every N steps")
-    p.add_argument("--min-interval", type=float, default=3.0, help="continuous_min_interval: seconds")
-    p.add_argument("--policies", default="none,fixed_interval,continuous,continuous_min_interval")
+    p.add_argument("--seq-len", type=int, default=64)
+    p.add_argument("--steps", type=int, default=3000, help="measured steps per policy")
+    p.add_argument("--warmup", type=int, default=50, help="unmeasured first steps (compilation, first-run effects)")
+    p.add_argument("--quiet", type=int, default=100, help="first measured steps without saves (the meter's baseline)")
+    p.add_argument("--policies", default=DEFAULT_POLICIES)
+    p.add_argument("--sweep", default="10,20,50,100,200,500,1000", help="fixed intervals (steps) added to --policies")
+    p.add_argument("--mtbf", type=float, default=120.0, help="mean time between failures for the waste (s)")
+    p.add_argument("--restart-cost", type=float, default=6.0, help="seconds from a failure to training again")
     args = p.parse_args()
+    specs = args.policies.split(",") + [f"fixed:{n}" for n in args.sweep.split(",") if n]
 
     with tempfile.TemporaryDirectory(prefix="tpujob-bench-") as tmp, start_fake_gcs(Path(tmp) / "gcs") as gcs:
         os.environ.update(gcs.env())
         gcs.create_bucket(BUCKET)
         import jax
 
-        results = [_run_policy(args, name, gcs.root_dir) for name in args.policies.split(",")]
+        results = []
+        for spec in specs:
+            results.append(_run_policy(args, spec, gcs.root_dir))
+            print(f"{spec}: done", file=sys.stderr, flush=True)
         device = jax.devices()[0]
     base = next((r for r in results if r["policy"] == "none"), None)
     for r in results:
         if base:
-            r["step_overhead_vs_none"] = r["median_step_s"] / base["median_step_s"] - 1
-            r["mean_step_overhead_vs_none"] = r["mean_step_s"] / base["mean_step_s"] - 1
-            if r["median_save_s"] is not None:
-                r["floor_interval_steps"] = r["median_save_s"] / base["median_step_s"]
+            r["overhead_vs_none"] = r["seconds_per_step"] / base["seconds_per_step"] - 1
+        _waste(r, args.mtbf, args.restart_cost)
     print(
         json.dumps(
             {
@@ -150,8 +251,9 @@ def main() -> None:
                     "batch_size": args.batch_size,
                     "seq_len": args.seq_len,
                     "measured_steps": args.steps,
-                    "fixed_interval": args.interval,
-                    "min_interval_s": args.min_interval,
+                    "mtbf_s": args.mtbf,
+                    "restart_cost_s": args.restart_cost,
+                    "young_daly_s_at_median_cost": _young_daly(results, args.mtbf),
                     "storage": "fake-gcs-server on 127.0.0.1 (gs://)",
                 },
                 "host": {
@@ -159,15 +261,22 @@ def main() -> None:
                     "device": device.device_kind,
                     "devices": jax.device_count(),
                     "cpus": os.cpu_count(),
+                    "load_average_1m": os.getloadavg()[0],
                     "python": platform.python_version(),
                     "jax": jax.__version__,
                 },
                 "policies": results,
+                "targets": _targets(results),
             },
             indent=2,
         )
     )
     sys.stdout.flush()
+
+
+def _young_daly(results: list[dict[str, Any]], mtbf: float) -> float | None:
+    costs = [r["save_cost_s"] for r in results if r.get("save_cost_s")]
+    return math.sqrt(2 * statistics.median(costs) * mtbf) if costs else None
 
 
 if __name__ == "__main__":
