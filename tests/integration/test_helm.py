@@ -164,6 +164,16 @@ def test_workload_identity_annotation_and_replicas_with_leader_election():
     assert "--liveness=http://$(POD_IP):8080/healthz" in container["args"]
 
 
+def test_image_is_pinned_by_digest_when_one_is_given_and_pods_report_readiness():
+    container = _operator_container(render())
+    assert container["image"].startswith("ghcr.io/tpujob/tpujob-operator:")  # the chart's appVersion
+    # A standby answers /healthz too: a rolling update waits until the new pod runs.
+    assert container["readinessProbe"]["httpGet"] == {"path": "/healthz", "port": "health"}
+    digest = "sha256:" + "0" * 64
+    pinned = _operator_container(render(f"image.digest={digest}", "image.tag=ignored"))
+    assert pinned["image"] == f"ghcr.io/tpujob/tpujob-operator@{digest}"
+
+
 def test_leader_election_role_is_one_lease_in_the_release_namespace():
     docs = render()
     [role] = [d for d in docs if d["kind"] == "Role"]
