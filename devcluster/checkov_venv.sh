@@ -14,26 +14,13 @@ VENV="$CACHE_ROOT/checkov/checkov-${CHECKOV_VERSION}-py${CHECKOV_PYTHON_VERSION}
 LINK="$CACHE_ROOT/checkov/${CHECKOV_VERSION}"
 log() { echo "[checkov-venv] $*" >&2; }
 
-find_python() {
-  local candidate
-  for candidate in "${CHECKOV_PYTHON:-}" "python${CHECKOV_PYTHON_VERSION}" \
-    "$HOME"/.pyenv/versions/"${CHECKOV_PYTHON_VERSION}"*/bin/python"${CHECKOV_PYTHON_VERSION}"; do
-    [ -n "$candidate" ] || continue
-    # pyenv's shim exists even where its version is not the selected one: ask it to run.
-    if "$candidate" -c 'import sys; assert sys.version_info[:2] == tuple(map(int, sys.argv[1].split(".")))' \
-      "$CHECKOV_PYTHON_VERSION" 2>/dev/null; then
-      command -v "$candidate" || echo "$candidate"
-      return 0
-    fi
-  done
-  log "no Python ${CHECKOV_PYTHON_VERSION} found (set CHECKOV_PYTHON)"
-  return 1
-}
+# shellcheck source=find_python.sh
+source "$(dirname "${BASH_SOURCE[0]}")/find_python.sh"
 
 if [ ! -f "$VENV/.complete" ]; then
   start=$SECONDS
   rm -rf "$VENV"
-  python="$(find_python)"
+  python="$(find_python "${CHECKOV_PYTHON_VERSION}" "${CHECKOV_PYTHON:-}")"
   log "building $VENV with $python"
   "$python" -m venv "$VENV"
   "$VENV/bin/python" -m pip install -q --disable-pip-version-check "checkov==${CHECKOV_VERSION}"

@@ -24,26 +24,13 @@ VENV="$CACHE_ROOT/maxtext/maxtext-${MAXTEXT_VERSION}-py${MAXTEXT_PYTHON_VERSION}
 LINK="$CACHE_ROOT/maxtext/${MAXTEXT_VERSION}"
 log() { echo "[maxtext-venv] $*" >&2; }
 
-find_python() {
-  local candidate
-  for candidate in "${MAXTEXT_PYTHON:-}" "python${MAXTEXT_PYTHON_VERSION}" \
-    "$HOME"/.pyenv/versions/"${MAXTEXT_PYTHON_VERSION}"*/bin/python"${MAXTEXT_PYTHON_VERSION}"; do
-    [ -n "$candidate" ] || continue
-    # pyenv's shim exists even where its version is not the selected one: ask it to run.
-    if "$candidate" -c 'import sys; assert sys.version_info[:2] == tuple(map(int, sys.argv[1].split(".")))' \
-      "$MAXTEXT_PYTHON_VERSION" 2>/dev/null; then
-      command -v "$candidate" || echo "$candidate"
-      return 0
-    fi
-  done
-  log "no Python ${MAXTEXT_PYTHON_VERSION} found (set MAXTEXT_PYTHON)"
-  return 1
-}
+# shellcheck source=find_python.sh
+source "$(dirname "${BASH_SOURCE[0]}")/find_python.sh"
 
 if [ ! -f "$VENV/.complete" ]; then
   start=$SECONDS
   rm -rf "$VENV"
-  python="$(find_python)"
+  python="$(find_python "${MAXTEXT_PYTHON_VERSION}" "${MAXTEXT_PYTHON:-}")"
   log "building $VENV with $python"
   "$python" -m venv "$VENV"
   work="$(mktemp -d)"
