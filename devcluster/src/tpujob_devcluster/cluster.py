@@ -225,12 +225,7 @@ class DevCluster:
         self.plane.launch(jobset, lambda: http_ok(f"http://127.0.0.1:{health_port}/readyz"), timeout)
         ca_bundle = __import__("base64").b64encode(self.plane.pki.ca_cert.read_bytes()).decode()
         for config in jobset_webhooks(self.bin_dir, webhook_port, ca_bundle):
-            kind = config["kind"].lower() + "s"
-            base = f"/apis/admissionregistration.k8s.io/v1/{kind}"
-            self.plane.request("DELETE", f"{base}/{config['metadata']['name']}")
-            code, body = self.plane.request("POST", base, config)
-            if code >= 300:
-                raise RuntimeError(f"registering {config['metadata']['name']}: {body.get('message')}")
+            self.plane.register_webhook(config)
 
     def _start_kwok_and_nodes(self, timeout: float) -> None:
         config_file = self.state_dir / "kwok.yaml"

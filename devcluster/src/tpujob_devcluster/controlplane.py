@@ -269,6 +269,14 @@ class ControlPlane:
         if result[0] >= 300:
             raise ControlPlaneError(f"applying {what} failed: HTTP {result[0]}: {result[1].get('message')}")
 
+    def register_webhook(self, config: dict[str, Any]) -> None:
+        """Create (or replace) a Validating/MutatingWebhookConfiguration."""
+        base = f"/apis/admissionregistration.k8s.io/v1/{config['kind'].lower()}s"
+        self.request("DELETE", f"{base}/{config['metadata']['name']}")
+        code, body = self.request("POST", base, config)
+        if code >= 300:
+            raise ControlPlaneError(f"registering {config['metadata']['name']}: {body.get('message')}")
+
     def request(
         self, method: str, path: str, body: object | None = None, accept: str = "application/json"
     ) -> tuple[int, dict[str, Any]]:

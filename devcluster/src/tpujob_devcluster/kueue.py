@@ -223,12 +223,7 @@ class Kueue:
         )  # fmt: skip
         self.plane.launch(manager, lambda: http_ok(f"http://127.0.0.1:{health_port}/readyz"), timeout)
         for config in kueue_webhooks(self.kueue_dir, webhook_port, ca_bundle):
-            kind = config["kind"].lower() + "s"
-            base = f"/apis/admissionregistration.k8s.io/v1/{kind}"
-            self.plane.request("DELETE", f"{base}/{config['metadata']['name']}")
-            code, body = self.plane.request("POST", base, config)
-            if code >= 300:
-                raise ControlPlaneError(f"registering {config['metadata']['name']}: {body.get('message')}")
+            self.plane.register_webhook(config)
         self.apply_queues(tpu_quota, timeout)
         return self
 
