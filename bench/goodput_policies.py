@@ -7,7 +7,7 @@ from --seed, counted from the job's start, identical for every policy); after ea
 attempt starts at once with resume=latest, until the job succeeds. Prints one JSON object.
 
 Goodput, from the trainer's own progress records: productive step time (the job's steps x the
-median step time of a run without checkpoints or failures, measured first in the same run, from
+median step time of a run without checkpoints or failures, measured right before each seed's runs, from
 its records' steps_per_second) / wall time (the first attempt's process_started_at -> the final
 record's updated_at). The adaptive trainer is told the MTBF, as the operator tells it its estimate.
 
@@ -177,12 +177,15 @@ def main() -> None:
             env = {**base_env, **_policy_env(args, policy), "TPUJOB_RUN_DIR": f"gs://{BUCKET}/{name}"}
             return Job(gcs, env, name, Path(tmp))
 
-        baseline = _run_job(args, job("baseline", "none"), [])
-        rates = [r["steps_per_second"] for r in baseline["records"] if r.get("steps_per_second") and r["step"] > 1]
-        median_step_s = statistics.median(1 / r for r in rates)
-        runs = []
+        runs, baselines = [], {}
         for seed in (int(s) for s in args.seeds.split(",")):
             kills = _kill_times(seed, args.mtbf, args.timeout)
+            # A step is priced right before the seed's policies run, so that load drifting over
+            # the bench moves the price and the runs it prices together.
+            baseline = _run_job(args, job(f"baseline-seed{seed}", "none"), [])
+            rates = [r["steps_per_second"] for r in baseline["records"] if r.get("steps_per_second") and r["step"] > 1]
+            median_step_s = statistics.median(1 / r for r in rates)
+            baselines[seed] = {"median_step_s": median_step_s, "wall_s": baseline["bench_wall_s"]}
             for policy in args.policies.split(","):
                 run = _run_job(args, job(f"{policy}-seed{seed}", policy), kills)
                 runs.append({"seed": seed, **_summarise(policy, run, median_step_s, args.steps)})
@@ -200,8 +203,7 @@ def main() -> None:
                     "cpus": os.cpu_count(),
                     "load_average_1m": os.getloadavg()[0],
                 },
-                "no_checkpoint_median_step_s": median_step_s,
-                "baseline_wall_s": baseline["bench_wall_s"],
+                "no_checkpoint_baseline_per_seed": baselines,
                 "runs": runs,
                 "highest_goodput_per_seed": {
                     seed: max(rs, key=lambda r: r["goodput"])["policy"] for seed, rs in by_seed.items()
