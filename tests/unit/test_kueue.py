@@ -138,3 +138,11 @@ def test_workload_conditions_say_when_admitted_and_why_not():
     }  # fmt: skip
     assert workload_admission(pending) == (None, "insufficient quota")
     assert workload_admission({}) == (None, None)
+
+
+def test_a_suspension_interrupted_by_an_operator_crash_still_lets_the_workers_save():
+    # The status write (attempt 1, Suspended) landed; the operator died before deleting attempt 0.
+    tj = _tj({"phase": "Suspended", "attempt": 1}, suspend=True)
+    status, actions = reconcile(tj, Observed(now=T0, jobsets=(_jobset(state="Active"),), queue_name=QUEUE))
+    assert actions.stop == ["llama-a0"] and actions.delete == []
+    assert status.phase == "Suspended" and actions.create_attempt is None

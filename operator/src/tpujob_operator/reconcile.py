@@ -116,7 +116,13 @@ def _decide(tj: TrainingJob, observed: Observed) -> tuple[TrainingJobStatus, Act
     status.attempt = attempt
     status.job_set_name = jobset_name(tj.name, attempt)
     current = next((js for js in live if js.attempt == attempt), None)
-    actions.delete = [js.name for js in live if js.attempt < attempt]
+    older = [js.name for js in live if js.attempt < attempt]
+    if tj.spec.suspend and observed.queue_name:
+        # A queued job's suspension deletes its JobSet with the workers' save grace (see _queued);
+        # if the operator died after writing the new attempt, the delete is finished the same way.
+        actions.stop = older
+    else:
+        actions.delete = older
     status = _with_storage(status, observed, actions)
     restored_before = status.resumed_from_step
     status = with_observations(status, observed)
