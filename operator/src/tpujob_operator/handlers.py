@@ -144,7 +144,7 @@ def _observe(tj: api.TrainingJob, raw_jobsets: list[dict[str, Any]], pods: list[
         if live and len(attempt_pods) < expected_pods(js):  # only then can a refusal be the reason
             refused = RUNTIME.cluster().pod_creation_refusal(tj.namespace, js["metadata"]["name"])
         admission: tuple[datetime | None, str | None] = (None, None)
-        if current and (js["metadata"].get("labels") or {}).get(api.QUEUE_LABEL):
+        if current and labels.get(api.QUEUE_LABEL):
             workload = RUNTIME.cluster().workload_of(tj.namespace, js["metadata"]["uid"])
             admission = workload_admission(workload) if workload else (None, None)
         facts.append(jobset_facts(js, attempt_pods if current else [], refused, admission))
