@@ -76,6 +76,22 @@ def test_after_backoff_the_next_attempt_is_created_pinned_to_the_committed_step(
     assert [e.reason for e in actions.events] == ["Restored"]
 
 
+def test_a_save_committed_after_the_restart_decision_is_the_resume_point_and_its_steps_are_not_lost():
+    tj = training_job(status={"phase": "Running", "attempt": 0, "step": 130})
+    failed = _active(state="Failed", pods=(PodFacts("w", 1, "Failed", exit_code=137, finished_at=T0),))
+    progress = _progress(step=130, attempt=0, updated_at=T0)
+    decided, _ = reconcile(tj, Observed(now=T0, jobsets=(failed,), progress=progress, latest_committed_step=100))
+    assert (decided.last_failure.resume_step, decided.lost_steps) == (100, 30)
+    # The failed attempt's other slice finished its in-flight save of step 120 before the new attempt exists.
+    later = T0 + timedelta(seconds=11)
+    restarting = training_job(status=decided.model_dump(by_alias=True, exclude_none=True))
+    status, actions = reconcile(restarting, Observed(now=later, latest_committed_step=120))
+    assert (actions.create_attempt, actions.resume_step) == (1, 120)
+    assert (status.resumed_from_step, status.last_failure.resume_step) == (120, 120)
+    assert (status.last_failure.lost_steps, status.lost_steps, status.restarts) == (10, 10, 1)
+    assert status.last_failure.time == decided.last_failure.time  # the same failure, not a second one
+
+
 def test_preemption_restarts_without_spending_the_budget():
     tj = training_job(restart={"maxRestarts": 0}, status={"phase": "Running", "attempt": 2})
     failed = _active(attempt=2, state="Failed", pods=(PodFacts("w", 0, "Failed", exit_code=143),))

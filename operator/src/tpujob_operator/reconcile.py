@@ -246,6 +246,7 @@ def _without_jobset(
     actions.requeue_after = POLL_SECONDS
     status.next_restart_time = None
     status.resumed_from_step = latest
+    _with_later_resume_point(status, latest)
     if status.attempt > 0 and observed.storage_error is None:
         # training goes back to the committed step; the old attempt's numbers are gone
         status.step, status.loss = latest, None
@@ -267,6 +268,20 @@ def _without_jobset(
         Event("Normal", "Restored", f"attempt {status.attempt}: JobSet {status.job_set_name} resumes {where}")
     )
     return with_phase(status, "Restarting", "Restoring", f"attempt {status.attempt} resumes {where}", now), actions
+
+
+def _with_later_resume_point(status: TrainingJobStatus, latest: int | None) -> None:
+    """A save in flight at the failure may commit after the restart was decided (the failed attempt's
+    last process finishes it): the new attempt resumes from that later step, and the failure record
+    says so, with the steps it did not lose given back."""
+    failure = status.last_failure
+    if failure is None or status.phase != "Restarting" or failure.recovery_seconds is not None or latest is None:
+        return
+    if failure.resume_step is not None and latest <= failure.resume_step:
+        return
+    lost = max(0, failure.step - latest) if failure.step is not None else None
+    status.lost_steps -= (failure.lost_steps or 0) - (lost or 0)
+    status.last_failure = failure.model_copy(update={"resume_step": latest, "lost_steps": lost})
 
 
 def _suspension(
