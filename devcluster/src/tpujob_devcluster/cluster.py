@@ -136,10 +136,15 @@ class DevCluster:
         detached: bool = False,
         kueue: bool = False,
         kueue_tpu_quota: int | Mapping[str, int] | None = None,
+        audit_policy: dict[str, Any] | None = None,
+        pod_runner_interval: float | None = None,
     ) -> None:
         """detached: outlive this process (`make up`); otherwise stop() or this process's exit ends it.
         kueue: run Kueue and create its queues, with `kueue_tpu_quota` TPU chips per flavor (see
-        kueue.queue_manifests; default: the chips of the pools); set_kueue_quota() changes it later."""
+        kueue.queue_manifests; default: the chips of the pools); set_kueue_quota() changes it later.
+        audit_policy: write the apiserver's audit log under this policy (ControlPlane.audit_policy;
+        the log is at `self.plane.audit_log`). pod_runner_interval: seconds between the pod runner's
+        passes over the pods (default: its own, 0.3 s); longer spares CPU with many pods and nodes."""
         self.state_dir = state_dir
         self.detached = detached
         self.kueue_enabled = kueue
@@ -147,7 +152,10 @@ class DevCluster:
         self.kueue: Kueue | None = None
         self.pools, self.system_nodes = load_pools(pools_file)
         self.bin_dir = build_binaries()
-        self.plane = ControlPlane(workdir=state_dir, bin_dir=self.bin_dir, service_account_admission=True)
+        self.plane = ControlPlane(
+            workdir=state_dir, bin_dir=self.bin_dir, service_account_admission=True, audit_policy=audit_policy
+        )
+        self.pod_runner_interval = pod_runner_interval
         self.gcs: FakeGcsServer | None = None
 
     @property
@@ -279,9 +287,36 @@ class DevCluster:
                 f"--images={IMAGES_FILE}",
                 f"--api-port={self.plane.api_port}",
                 *env_args,
+                *([f"--interval={self.pod_runner_interval}"] if self.pod_runner_interval is not None else []),
             ],
         )
         self.plane.launch(runner, lambda: True, timeout)
+
+    def add_pools(self, pools: list[Pool], timeout: float = 300.0) -> None:
+        """More TPU node pools on the running cluster (e.g. a scale test's one pool per job): their
+        nodes are created and this returns once kwok reports every one of them Ready."""
+        names = set()
+        for node in node_manifests(pools, 0):
+            names.add(node["metadata"]["name"])
+            code, body = self.plane.request("POST", "/api/v1/nodes", node)
+            if code >= 300 and code != 409:
+                raise RuntimeError(f"creating node {node['metadata']['name']}: {body.get('message')}")
+        self.pools.extend(pools)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            _, nodes = self.plane.request("GET", f"/api/v1/nodes?labelSelector={NODE_LABEL}")
+            ready = {
+                n["metadata"]["name"]
+                for n in nodes["items"]
+                if any(
+                    c["type"] == "Ready" and c["status"] == "True"
+                    for c in (n.get("status") or {}).get("conditions") or []
+                )
+            }
+            if names <= ready:
+                return
+            time.sleep(1.0)
+        raise RuntimeError(f"kwok did not make {len(names - ready)} of {len(names)} new nodes Ready in {timeout}s")
 
     def set_kueue_quota(self, tpu_quota: int | Mapping[str, int] | None) -> None:
         """The ClusterQueue's `google.com/tpu` quota: chips per flavor (an int: every flavor; a mapping

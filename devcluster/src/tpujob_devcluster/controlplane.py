@@ -116,6 +116,10 @@ class ControlPlane:
     # Off for the integration tier, which creates pods in namespaces younger than their default
     # ServiceAccount; on for the devcluster, whose pods get real ServiceAccount tokens.
     service_account_admission: bool = False
+    # An apiserver audit policy (a dict: audit.k8s.io/v1 Policy): when set, the apiserver writes its
+    # audit log (JSON lines) to `audit_log` (default <workdir>/logs/audit.log). Off by default.
+    audit_policy: dict[str, Any] | None = None
+    audit_log: Path | None = None
     components: list[Component] = field(default_factory=list)
     api_port: int = 0
     etcd_port: int = 0
@@ -194,6 +198,20 @@ class ControlPlane:
             *([] if self.service_account_admission else ["--disable-admission-plugins=ServiceAccount"]),
             "--enable-priority-and-fairness=false",
             "--v=1",
+            *self._audit_args(),
+        ]
+
+    def _audit_args(self) -> list[str]:
+        if self.audit_policy is None:
+            return []
+        policy_file = self.workdir / "audit-policy.yaml"
+        policy_file.write_text(yaml.safe_dump(self.audit_policy))
+        self.audit_log = self.audit_log or self.workdir / "logs" / "audit.log"
+        return [
+            f"--audit-policy-file={policy_file}",
+            f"--audit-log-path={self.audit_log}",
+            "--audit-log-format=json",
+            "--audit-log-mode=blocking",  # every event written (batch mode may drop when its buffer is full)
         ]
 
     def launch(self, component: Component, ready: Callable[[], bool], timeout: float = 120.0) -> None:

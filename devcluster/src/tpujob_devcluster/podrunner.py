@@ -46,6 +46,7 @@ from kubernetes.client.exceptions import ApiException
 log = logging.getLogger("podrunner")
 NODE_LABEL = "tpujob.dev/devcluster-node"
 SA_MOUNT = "/var/run/secrets/kubernetes.io/serviceaccount"
+REPO_ROOT = Path(__file__).resolve().parents[3]  # `{repo}` in the image table (as controlplane.REPO_ROOT)
 _FIELD_REF = re.compile(r"^metadata\.(labels|annotations)\['(.+)'\]$")
 
 
@@ -67,7 +68,10 @@ def container_argv(container: dict[str, Any], images: list[tuple[str, list[str]]
         if found is None:
             raise ValueError(f"image {container['image']!r} has no entry in the pod runner's image table")
         cache = os.environ.get("TPUJOB_CACHE") or str(Path.home() / ".cache" / "tpujob")
-        entrypoint = [python if part == "{python}" else part.replace("{cache}", cache) for part in found]
+        entrypoint = [
+            python if part == "{python}" else part.replace("{cache}", cache).replace("{repo}", str(REPO_ROOT))
+            for part in found
+        ]
     return entrypoint + list(container.get("args") or [])
 
 
