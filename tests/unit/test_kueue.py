@@ -5,8 +5,7 @@ from __future__ import annotations
 from datetime import UTC, datetime, timedelta
 
 from tpujob_operator.facts import JobSetFacts, Observed, PodFacts, Progress
-from tpujob_operator.jobset import build_jobset, queue_name
-from tpujob_operator.kube import workload_admission
+from tpujob_operator.jobset import build_jobset, queue_name, workload_admission
 from tpujob_operator.reconcile import reconcile
 
 from .factories import training_job

@@ -1,4 +1,5 @@
-"""Reading the cluster into plain facts (facts.py) and applying the reconciler's actions.
+"""The API calls the operator makes: reading the objects (jobset.py decodes them into facts) and
+applying the reconciler's actions.
 
 Blocking kubernetes-client calls; handlers run them in a worker thread.
 """
@@ -13,20 +14,7 @@ from kubernetes import client, config
 from kubernetes.client.exceptions import ApiException
 
 from . import api
-from .facts import JobSetFacts, JobSetState, PodFacts
-from .jobset import (
-    ANNOTATION_RESUME_STEP,
-    ANNOTATION_SUSPENDED,
-    CONTAINER,
-    JOB_INDEX_ANNOTATION,
-    JOBSET_GROUP,
-    JOBSET_PLURAL,
-    JOBSET_VERSION,
-    LABEL_ATTEMPT,
-    LABEL_NAME,
-    LABEL_UID,
-)
-from .status import parse_time
+from .jobset import ANNOTATION_SUSPENDED, JOBSET_GROUP, JOBSET_PLURAL, JOBSET_VERSION, LABEL_NAME
 
 log = logging.getLogger(__name__)
 # Every API call carries a timeout, so a stuck connection cannot stall a reconcile forever.
@@ -48,125 +36,8 @@ def load_config() -> None:
         config.load_kube_config()
 
 
-def _condition(conditions: list[dict[str, Any]] | None, type_: str, status: str = "True") -> dict[str, Any] | None:
-    return next((c for c in conditions or [] if c.get("type") == type_ and c.get("status") == status), None)
-
-
 class Conflict(RuntimeError):
     """The object changed since it was read: re-read and decide again."""
-
-
-def pod_facts(pod: dict[str, Any]) -> PodFacts:
-    meta, status = pod["metadata"], pod.get("status") or {}
-    annotations = meta.get("annotations") or {}
-    labels = meta.get("labels") or {}
-    slice_text = annotations.get(JOB_INDEX_ANNOTATION) or labels.get(JOB_INDEX_ANNOTATION)
-    container: dict[str, Any] = next(
-        (c for c in status.get("containerStatuses") or [] if c.get("name") == CONTAINER), {}
-    )
-    terminated = (container.get("state") or {}).get("terminated") or {}
-    waiting = (container.get("state") or {}).get("waiting") or {}
-    disruption = _condition(status.get("conditions"), "DisruptionTarget")
-    scheduled = next((c for c in status.get("conditions") or [] if c.get("type") == "PodScheduled"), None)
-    unschedulable = scheduled.get("message") if scheduled and scheduled.get("reason") == "Unschedulable" else None
-    scheduled_at = None
-    if scheduled is not None and scheduled.get("status") == "True":
-        scheduled_at = parse_time(scheduled.get("lastTransitionTime")) or parse_time(meta.get("creationTimestamp"))
-    return PodFacts(
-        name=meta["name"],
-        slice=int(slice_text) if slice_text and slice_text.isdigit() else None,
-        phase=status.get("phase", "Pending"),
-        exit_code=terminated.get("exitCode"),
-        reason=terminated.get("reason") or status.get("reason"),
-        disruption_reason=disruption.get("reason") if disruption else None,
-        finished_at=parse_time(terminated.get("finishedAt")),
-        unschedulable_message=unschedulable,
-        created=parse_time(meta.get("creationTimestamp")),
-        scheduled_at=scheduled_at,
-        waiting_reason=waiting.get("reason"),
-        waiting_message=waiting.get("message"),
-    )
-
-
-def jobset_state(jobset: dict[str, Any]) -> tuple[JobSetState, dict[str, Any] | None]:
-    conditions = (jobset.get("status") or {}).get("conditions")
-    for type_, state in (("Completed", "Completed"), ("Failed", "Failed")):
-        found = _condition(conditions, type_)
-        if found:
-            return state, found  # type: ignore[return-value]
-    # spec.suspend is the decision (whoever made it: the operator or a queueing system).
-    if (jobset.get("spec") or {}).get("suspend"):
-        return "Suspended", None
-    return "Active", None
-
-
-def incarnation_uid(obj: dict[str, Any]) -> str | None:
-    """The TrainingJob uid an object belongs to: its label, else its controller owner reference
-    (JobSets created before the label existed)."""
-    meta = obj["metadata"]
-    labelled = (meta.get("labels") or {}).get(LABEL_UID)
-    if labelled:
-        return str(labelled)
-    owner = next((o for o in meta.get("ownerReferences") or [] if o.get("kind") == api.KIND), None)
-    return str(owner["uid"]) if owner else None
-
-
-def expected_pods(jobset: dict[str, Any]) -> int:
-    return sum(
-        int(rj.get("replicas", 1)) * int(((rj.get("template") or {}).get("spec") or {}).get("parallelism", 1))
-        for rj in (jobset.get("spec") or {}).get("replicatedJobs") or []
-    )
-
-
-def workload_admission(workload: dict[str, Any]) -> tuple[datetime | None, str | None]:
-    """Kueue's word on a Workload: when it was admitted (None while it is not), and why it waits or
-    was evicted (the message of its newest False QuotaReserved/Admitted or True Evicted condition)."""
-    conditions = (workload.get("status") or {}).get("conditions") or []
-    admitted = _condition(conditions, "Admitted")
-    if admitted is not None:
-        return parse_time(admitted.get("lastTransitionTime")), None
-    telling = [
-        c
-        for c in conditions
-        if (c.get("type") in ("QuotaReserved", "Admitted") and c.get("status") == "False")
-        or (c.get("type") in ("Evicted", "Preempted") and c.get("status") == "True")
-    ]
-    newest = max(telling, key=lambda c: str(c.get("lastTransitionTime") or ""), default=None)
-    return None, (str(newest.get("message") or newest.get("reason") or "") or None) if newest else None
-
-
-def jobset_facts(
-    jobset: dict[str, Any],
-    pods: list[dict[str, Any]],
-    pod_creation_refused: str | None = None,
-    admission: tuple[datetime | None, str | None] = (None, None),
-) -> JobSetFacts:
-    meta = jobset["metadata"]
-    state, condition = jobset_state(jobset)
-    annotations = meta.get("annotations") or {}
-    resume = annotations.get(ANNOTATION_RESUME_STEP, "-1")
-    conditions = (jobset.get("status") or {}).get("conditions")
-    resumed = _condition(conditions, "Suspended", "False")
-    return JobSetFacts(
-        name=meta["name"],
-        attempt=int((meta.get("labels") or {}).get(LABEL_ATTEMPT, "0")),
-        resume_step=None if int(resume) < 0 else int(resume),
-        created=parse_time(meta.get("creationTimestamp")) or datetime.now(UTC),
-        state=state,
-        condition_reason=(condition or {}).get("reason", ""),
-        condition_message=(condition or {}).get("message", ""),
-        pods=tuple(pod_facts(p) for p in pods),
-        deleting=bool(meta.get("deletionTimestamp")),
-        uid=incarnation_uid(jobset),
-        expected_pods=expected_pods(jobset),
-        resumed_at=parse_time(resumed.get("lastTransitionTime")) if resumed else None,
-        suspended_by_operator=annotations.get(ANNOTATION_SUSPENDED) == "true",
-        resuming=state == "Active" and _condition(conditions, "Suspended") is not None,
-        pod_creation_refused=pod_creation_refused,
-        queue_name=(meta.get("labels") or {}).get(api.QUEUE_LABEL),
-        admitted_at=admission[0],
-        queue_reason=admission[1],
-    )
 
 
 class Cluster:
