@@ -1,0 +1,724 @@
+"""Operator scale benchmark on the devcluster: what the operator costs, and how fast it still reacts,
+with 10, 100, 1,000 TrainingJobs.
+
+Workload: every job is as small as a job gets, 1 slice of v5e 2x2 (one host: one worker pod), backoff 0,
+running the stub trainer (devcluster/stub_trainer.sh, image `tpujob-stub-trainer`: a sh loop that
+writes the progress record every --progress-seconds and a committed step every --commit-seconds,
+straight to the GCS emulator). Exclusive placement puts one job on one node pool, so the bench adds
+one kwok pool (one node) per job, plus spares for the replacements of killed workers.
+
+One devcluster for the whole run, stepped up: at each size the jobs (and pools) are added up to the
+size, the bench waits (bounded) until every job is Running, then measures an idle window (nothing
+created or killed, the stubs keep writing) and then the reaction under that load. Stepping up one
+cluster rather than a fresh one per size saves a cluster start and an operator install per size,
+and it is how an operator meets load: its process has run the smaller sizes before.
+
+Per size:
+  operator    its process, from /proc (the pod runner runs it as a local process): RSS (VmRSS) at the
+              end of the window and its max over samples, CPU seconds (utime+stime) per minute
+  apiserver   requests per second by verb (and by verb and resource) made by the operator's
+              ServiceAccount, counted from the apiserver's own audit log over the idle window (watch:
+              one per watch started; list: every LIST in the window is a periodic LIST, since watches
+              that run do not list); per_job_reconcile_interval_s = jobs x window / GETs of
+              TrainingJobs (how often each job is actually re-read: the operator keeping up or not)
+  gcs         the operator's GCS requests over the idle window, counted by a proxy in this process
+              between the operator and the emulator (only the operator's STORAGE_EMULATOR_HOST points
+              at it), by kind, and per job-hour
+  reaction    K times, one at a time: SIGKILL the worker of a random Running job; reaction = the
+              kill -> the replacement JobSet (attempt + 1) seen ADDED by this bench's watch
+              (milliseconds; creationTimestamp has whole seconds). p50/p99/max/n and timeouts
+  cluster     CPU seconds per minute of the other devcluster processes in the window (context: they
+              share the 2 cores with the operator), and the load average
+Every wait has a timeout: a size whose jobs are not all Running in time is measured as it stands and
+reported with `keeping_up: false` and what was missing.
+
+Prints one JSON document on stdout (progress on stderr).
+Run: `.venv/bin/python bench/operator_scale.py --sizes 10,100` (`--operator-rev REV` runs that
+revision's operator and chart, from a git worktree, instead of the working tree's).
+"""
+
+from __future__ import annotations
+
+import argparse
+import http.client
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.parse
+from collections import Counter
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
+from datetime import datetime
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import yaml
+from kubernetes import client, config, watch
+from kubernetes.client.exceptions import ApiException
+from tpujob_devcluster.cluster import BUCKET, DevCluster, Pool
+from tpujob_devcluster.controlplane import REPO_ROOT, free_port, tools_dir
+from tpujob_devcluster.harness import OPERATOR_NAMESPACE, pod_pids, signal_pod
+
+GROUP, VERSION, PLURAL = "tpujob.dev", "v1alpha1", "trainingjobs"
+NAMESPACE = "scale"
+RELEASE = "tpujob"
+OPERATOR_USER = f"system:serviceaccount:{OPERATOR_NAMESPACE}:{RELEASE}"
+LABEL_NAME, LABEL_ATTEMPT = f"{GROUP}/name", f"{GROUP}/attempt"
+ACCELERATOR, TOPOLOGY = "tpu-v5-lite-podslice", "2x2"  # one host of 4 chips: one worker pod per job
+SOURCES = ("operator/src", "contract/src")  # what --operator-rev puts first on the operator's PYTHONPATH
+AUDIT_POLICY: dict[str, Any] = {
+    "apiVersion": "audit.k8s.io/v1",
+    "kind": "Policy",
+    # ResponseStarted is logged for watches only (when the watch starts); ResponseComplete for every request.
+    "omitStages": ["RequestReceived"],
+    "rules": [
+        {"level": "Metadata", "userGroups": [f"system:serviceaccounts:{OPERATOR_NAMESPACE}"]},
+        {"level": "None"},
+    ],
+}
+CLK_TCK = os.sysconf("SC_CLK_TCK")
+
+
+def log(message: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
+
+
+def _git(*args: str) -> str:
+    return subprocess.run(["git", *args], cwd=REPO_ROOT, check=True, capture_output=True, text=True).stdout.strip()
+
+
+def quantiles(values: list[float]) -> dict[str, float | int | None]:
+    """p50/p99 (numpy's linear interpolation), max and n. With n < 100 the p99 lies between the two
+    largest values: read it with n."""
+    if not values:
+        return {"p50": None, "p99": None, "max": None, "n": 0}
+    p50, p99 = np.percentile(values, [50, 99])
+    return {"p50": round(float(p50), 3), "p99": round(float(p99), 3), "max": round(max(values), 3), "n": len(values)}
+
+
+# --- GCS: a counting proxy in front of the emulator, for the operator only ---------------------------
+
+
+def gcs_kind(method: str, path: str) -> str:
+    """What a JSON-API request does: list, metadata (exists/reload), read (media), bucket (its metadata),
+    write, delete."""
+    parsed = urllib.parse.urlsplit(path)
+    query = urllib.parse.parse_qs(parsed.query)
+    if method == "DELETE":
+        return "delete"
+    if method in ("POST", "PUT", "PATCH"):
+        return "write"
+    if method == "GET":
+        if parsed.path.startswith("/download/") or query.get("alt") == ["media"]:
+            return "read"
+        if parsed.path.rstrip("/").endswith("/o"):
+            return "list"
+        if "/o/" in parsed.path:
+            return "metadata"
+        if parsed.path.startswith("/storage/v1/b/"):
+            return "bucket"
+    return "other"
+
+
+class CountingProxy(ThreadingHTTPServer):
+    daemon_threads = True
+
+    def __init__(self, upstream_port: int) -> None:
+        self.upstream_port = upstream_port
+        self.counts: Counter[str] = Counter()
+        self.lock = threading.Lock()
+        super().__init__(("127.0.0.1", 0), _ProxyHandler)
+
+    @property
+    def endpoint(self) -> str:
+        return f"http://127.0.0.1:{self.server_address[1]}"
+
+    def snapshot(self) -> Counter[str]:
+        with self.lock:
+            return Counter(self.counts)
+
+
+class _ProxyHandler(BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"  # keep-alive, as the GCS client's session expects
+    server: CountingProxy
+
+    def log_message(self, format: str, *args: Any) -> None:
+        pass
+
+    def _forward(self) -> None:
+        length = int(self.headers.get("Content-Length") or 0)
+        body = self.rfile.read(length) if length else None
+        with self.server.lock:
+            self.server.counts[f"{self.command} {gcs_kind(self.command, self.path)}"] += 1
+        upstream: http.client.HTTPConnection | None = getattr(self, "_upstream", None)
+        if upstream is None:
+            upstream = http.client.HTTPConnection("127.0.0.1", self.server.upstream_port, timeout=30)
+            self._upstream: http.client.HTTPConnection | None = upstream
+        skip = {"host", "connection", "keep-alive", "proxy-connection", "transfer-encoding"}
+        headers = {k: v for k, v in self.headers.items() if k.lower() not in skip}
+        try:
+            upstream.request(self.command, self.path, body=body, headers=headers)
+            response = upstream.getresponse()
+            payload = response.read()
+        except (OSError, http.client.HTTPException):
+            upstream.close()
+            self._upstream = None
+            self.send_error(502)
+            return
+        self.send_response(response.status, response.reason)
+        for key, value in response.getheaders():
+            if key.lower() not in skip and key.lower() != "content-length":
+                self.send_header(key, value)
+        self.send_header("Content-Length", str(len(payload)))
+        self.end_headers()
+        if self.command != "HEAD":
+            self.wfile.write(payload)
+
+    do_GET = do_POST = do_PUT = do_PATCH = do_DELETE = do_HEAD = _forward
+
+
+# --- the operator's process and the other components, from /proc -----------------------------------
+
+
+def _cpu_seconds(pid: int) -> float:
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / CLK_TCK  # utime, stime
+
+
+def _rss_mb(pid: int) -> float:
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    return 0.0
+
+
+# --- the apiserver's audit log ----------------------------------------------------------------------
+
+
+def _stamp(text: str) -> float:
+    return datetime.fromisoformat(text.replace("Z", "+00:00")).timestamp()
+
+
+def audit_counts(path: Path, offset: int, start: float, end: float) -> dict[str, Any]:
+    """The operator's requests received in [start, end), from the audit log past `offset`. A LIST
+    that a watch of the same resource and namespace follows within 5 s is that watch's (re)list
+    (kopf lists before each watch, also when one ends after its server timeout); every other LIST
+    is a periodic one."""
+    by_verb: Counter[str] = Counter()
+    by_verb_resource: Counter[str] = Counter()
+    lists: list[tuple[float, str, str, str]] = []  # received, resource, namespace, label
+    watches: list[tuple[float, str, str]] = []
+    with path.open("rb") as handle:
+        handle.seek(offset)
+        for line in handle:
+            try:
+                event = json.loads(line)
+            except ValueError:
+                continue
+            verb = event.get("verb", "")
+            if (event.get("user") or {}).get("username") != OPERATOR_USER:
+                continue
+            if event.get("stage") != ("ResponseStarted" if verb == "watch" else "ResponseComplete"):
+                continue
+            received = _stamp(event["requestReceivedTimestamp"])
+            ref = event.get("objectRef") or {}
+            resource = ref.get("resource", "?") + (f"/{ref['subresource']}" if ref.get("subresource") else "")
+            namespace = ref.get("namespace", "")
+            if verb == "watch":
+                watches.append((received, resource, namespace))
+            if not start <= received < end:
+                continue
+            by_verb[verb] += 1
+            by_verb_resource[f"{verb} {resource}"] += 1
+            if verb == "list":
+                query = urllib.parse.urlsplit(event.get("requestURI", "")).query
+                selector = "selector" if "labelSelector" in query or "fieldSelector" in query else "no selector"
+                label = f"{resource} ({'namespaced' if namespace else 'cluster'}, {selector})"
+                lists.append((received, resource, namespace, label))
+    periodic: Counter[str] = Counter()
+    relists: Counter[str] = Counter()
+    for received, resource, namespace, label in lists:
+        followed = any(r == resource and n == namespace and 0 <= t - received < 5 for t, r, n in watches)
+        (relists if followed else periodic)[label] += 1
+    return {"by_verb": by_verb, "by_verb_resource": by_verb_resource, "periodic": periodic, "relists": relists}
+
+
+def audit_size(path: Path | None) -> int:
+    return path.stat().st_size if path is not None and path.exists() else 0
+
+
+# --- the bench ----------------------------------------------------------------------------------------
+
+
+def manifest(name: str, progress_seconds: int, commit_seconds: int) -> dict[str, Any]:
+    return {
+        "apiVersion": f"{GROUP}/{VERSION}",
+        "kind": "TrainingJob",
+        "metadata": {"name": name, "namespace": NAMESPACE},
+        "spec": {
+            "image": "tpujob-stub-trainer:dev",
+            "env": [
+                {"name": "STUB_PROGRESS_SECONDS", "value": str(progress_seconds)},
+                {"name": "STUB_COMMIT_SECONDS", "value": str(commit_seconds)},
+            ],
+            "tpu": {"accelerator": ACCELERATOR, "topology": TOPOLOGY, "slices": 1},
+            "checkpoint": {"directory": f"gs://{BUCKET}/scale", "policy": "continuous"},
+            "restart": {"maxRestarts": 100, "backoffSeconds": 0},
+        },
+    }
+
+
+def pools(start: int, stop: int) -> list[Pool]:
+    return [Pool(f"scale-{i:04d}", ACCELERATOR, TOPOLOGY) for i in range(start, stop)]
+
+
+class JobSetWatch:
+    """Arrival time (this machine's clock) of each JobSet of the bench's namespace, by (job, attempt)."""
+
+    def __init__(self, kube: client.ApiClient) -> None:
+        self.custom = client.CustomObjectsApi(kube)
+        self.seen: dict[tuple[str, int], float] = {}
+        self.changed = threading.Condition()
+        self.stopping = threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        version: str | None = None
+        while not self.stopping.is_set():
+            w = watch.Watch()
+            try:
+                kwargs: dict[str, Any] = {"label_selector": LABEL_NAME, "timeout_seconds": 120}
+                if version:
+                    kwargs["resource_version"] = version
+                for event in w.stream(
+                    self.custom.list_namespaced_custom_object, "jobset.x-k8s.io", "v1alpha2", NAMESPACE, "jobsets",
+                    **kwargs,
+                ):  # fmt: skip
+                    now = time.time()
+                    obj = event["object"]
+                    if event["type"] == "ERROR":
+                        version = None
+                        break
+                    version = obj["metadata"].get("resourceVersion") or version
+                    labels = obj["metadata"].get("labels") or {}
+                    key = (labels.get(LABEL_NAME, ""), int(labels.get(LABEL_ATTEMPT, -1)))
+                    with self.changed:
+                        if key not in self.seen:
+                            self.seen[key] = now
+                            self.changed.notify_all()
+            except ApiException as error:
+                if error.status == 410:
+                    version = None
+                time.sleep(0.2)
+            except Exception:
+                time.sleep(0.2)
+            finally:
+                w.stop()
+
+    def wait_for(self, key: tuple[str, int], timeout: float) -> float | None:
+        deadline = time.monotonic() + timeout
+        with self.changed:
+            while key not in self.seen:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return None
+                self.changed.wait(left)
+            return self.seen[key]
+
+
+class Bench:
+    def __init__(self, cluster: DevCluster, proxy: CountingProxy, args: argparse.Namespace) -> None:
+        self.cluster, self.proxy, self.args = cluster, proxy, args
+        self.kube = config.new_client_from_config(str(cluster.kubeconfig))
+        self.custom = client.CustomObjectsApi(self.kube)
+        self.core = client.CoreV1Api(self.kube)
+        self.jobsets = JobSetWatch(self.kube)
+        self.jobs: list[str] = []
+        self.pools = 0
+        self.rng = random.Random(args.seed)
+
+    def wait(self, probe: Any, timeout: float, interval: float = 1.0) -> Any:
+        deadline = time.monotonic() + timeout
+        while True:
+            value = probe()
+            if value or time.monotonic() > deadline:
+                return value
+            time.sleep(interval)
+
+    def ensure_namespace(self) -> None:
+        try:
+            self.core.create_namespace(client.V1Namespace(metadata=client.V1ObjectMeta(name=NAMESPACE)))
+        except ApiException as error:
+            if error.status != 409:
+                raise
+
+        def account() -> bool:
+            try:
+                self.core.read_namespaced_service_account("default", NAMESPACE)
+            except ApiException as error:
+                if error.status == 404:
+                    return False
+                raise
+            return True
+
+        if not self.wait(account, 60.0, 0.2):
+            raise TimeoutError(f"namespace {NAMESPACE} has no default ServiceAccount after 60 s")
+
+    def operator_pids(self) -> list[int]:
+        pods: Any = self.core.list_namespaced_pod(
+            OPERATOR_NAMESPACE, label_selector=f"app.kubernetes.io/name={RELEASE}"
+        )
+        names = [p.metadata.name for p in pods.items if p.status.phase == "Running"]
+        if len(names) != 1:
+            raise RuntimeError(f"expected one running operator pod, found {names}")
+        return list(pod_pids(self.cluster.state_dir, OPERATOR_NAMESPACE, names[0]))
+
+    def phases(self) -> Counter[str]:
+        listing: Any = self.custom.list_namespaced_custom_object(GROUP, VERSION, NAMESPACE, PLURAL)
+        return Counter(str((tj.get("status") or {}).get("phase") or "None") for tj in listing["items"])
+
+    # -- one size --------------------------------------------------------------------------------------
+    def step_up(self, size: int) -> dict[str, Any]:
+        args = self.args
+        result: dict[str, Any] = {"jobs": size}
+        want_pools = size + args.kills + args.spare_pools
+        t0 = time.monotonic()
+        if want_pools > self.pools:
+            log(f"size {size}: adding {want_pools - self.pools} node pools")
+            self.cluster.add_pools(pools(self.pools, want_pools), timeout=args.ready_timeout)
+            self.pools = want_pools
+        result["pools"] = self.pools
+        result["add_pools_seconds"] = round(time.monotonic() - t0, 1)
+        t0 = time.monotonic()
+        new = [f"job-{i:04d}" for i in range(len(self.jobs), size)]
+        log(f"size {size}: creating {len(new)} TrainingJobs")
+
+        def create(name: str) -> None:
+            body = manifest(name, args.progress_seconds, args.commit_seconds)
+            self.custom.create_namespaced_custom_object(GROUP, VERSION, NAMESPACE, PLURAL, body)
+
+        with ThreadPoolExecutor(4) as pool:
+            list(pool.map(create, new))
+        self.jobs += new
+        result["create_seconds"] = round(time.monotonic() - t0, 1)
+        timeout = args.ready_timeout + args.ready_seconds_per_job * len(new)
+        phases: Counter[str] = Counter()
+
+        def all_running() -> bool:
+            nonlocal phases
+            phases = self.phases()
+            return phases.get("Running", 0) >= size
+
+        running = self.wait(all_running, timeout, interval=2.0)
+        result["ready_seconds"] = round(time.monotonic() - t0, 1) if running else None
+        result["ready_timeout_seconds"] = round(timeout, 1)
+        result["phases_at_ready"] = dict(phases)
+        log(
+            f"size {size}: {phases.get('Running', 0)}/{size} Running after {time.monotonic() - t0:.0f} s {dict(phases)}"
+        )
+        if args.settle_seconds:
+            time.sleep(args.settle_seconds)  # the stubs' writes spread out; start-up work drains
+        result["idle"] = self.idle_window(size)
+        result["reaction"] = self.reactions()
+        result["phases_after"] = dict(self.phases())
+        problems = []
+        if not running:
+            problems.append(f"{size - phases.get('Running', 0)} of {size} jobs not Running after {timeout:.0f} s")
+        if result["reaction"]["timeouts"]:
+            problems.append(
+                f"{result['reaction']['timeouts']} replacement JobSets not seen in {args.reaction_timeout} s"
+            )
+        interval = result["idle"]["apiserver"]["per_job_reconcile_interval_s"]
+        if interval is not None and interval > args.keep_up_interval:
+            problems.append(f"each job re-read every {interval} s on average (> {args.keep_up_interval} s)")
+        result["keeping_up"] = not problems
+        result["not_keeping_up"] = problems
+        result["load_average"] = [round(x, 2) for x in os.getloadavg()]
+        return result
+
+    def idle_window(self, size: int) -> dict[str, Any]:
+        seconds = self.args.idle_seconds
+        pids = self.operator_pids()
+        components = {c.name: c.process.pid for c in self.cluster.plane.components if c.process is not None}
+        if self.cluster.gcs is not None:
+            components["fake-gcs-server"] = self.cluster.gcs.pid
+        audit = self.cluster.plane.audit_log
+        offset = audit_size(audit)
+        log(f"size {size}: idle window of {seconds} s")
+        gcs0, cpu0 = self.proxy.snapshot(), sum(_cpu_seconds(p) for p in pids)
+        other0 = {name: _cpu_seconds(pid) for name, pid in components.items()}
+        bench0 = time.process_time()
+        start, t0 = time.time(), time.monotonic()
+        rss: list[float] = []
+        while time.monotonic() - t0 < seconds:
+            rss.append(sum(_rss_mb(p) for p in pids))
+            time.sleep(min(5.0, max(0.0, seconds - (time.monotonic() - t0))))
+        elapsed, end = time.monotonic() - t0, time.time()
+        cpu1, gcs1 = sum(_cpu_seconds(p) for p in pids), self.proxy.snapshot()
+        rss.append(sum(_rss_mb(p) for p in pids))
+        minutes = elapsed / 60
+        time.sleep(2.0)  # the audit log is written as requests complete
+        counted = audit_counts(audit, offset, start, end) if audit is not None else None
+        gcs = gcs1 - gcs0
+        job_hours = size * elapsed / 3600
+        apiserver: dict[str, Any] = {"source": "kube-apiserver audit log", "user": OPERATOR_USER}
+        if counted is not None:
+            total = sum(counted["by_verb"].values())
+            gets = counted["by_verb_resource"].get("get trainingjobs", 0)
+            apiserver.update(
+                requests_per_second=round(total / elapsed, 2),
+                rps_by_verb={v: round(n / elapsed, 3) for v, n in sorted(counted["by_verb"].items())},
+                requests_by_verb_resource=dict(sorted(counted["by_verb_resource"].items())),
+                periodic_list_calls=sum(counted["periodic"].values()),
+                periodic_list_calls_per_minute=round(sum(counted["periodic"].values()) / minutes, 1),
+                periodic_list_calls_by_resource=dict(counted["periodic"]),
+                watch_relists=dict(counted["relists"]),
+                per_job_reconcile_interval_s=round(size * elapsed / gets, 1) if gets else None,
+            )
+        return {
+            "seconds": round(elapsed, 1),
+            "operator": {
+                "pids": pids,
+                "rss_mb": round(rss[-1], 1),
+                "rss_mb_max": round(max(rss), 1),
+                "cpu_seconds_per_minute": round((cpu1 - cpu0) / minutes, 2),
+            },
+            "apiserver": apiserver,
+            "gcs": {
+                "source": "counting proxy between the operator and fake-gcs-server",
+                "operations": sum(gcs.values()),
+                "by_kind": dict(sorted(gcs.items())),
+                "operations_per_job_hour": round(sum(gcs.values()) / job_hours, 1) if job_hours else None,
+            },
+            "other_cpu_seconds_per_minute": {
+                **{n: round((_cpu_seconds(p) - other0[n]) / minutes, 2) for n, p in components.items()},
+                "bench (this process)": round((time.process_time() - bench0) / minutes, 2),
+            },
+        }
+
+    def running_worker(self, name: str) -> tuple[str, int] | None:
+        pods: Any = self.core.list_namespaced_pod(NAMESPACE, label_selector=f"{LABEL_NAME}={name}")
+        running = [
+            (p.metadata.name, int(p.metadata.labels.get(LABEL_ATTEMPT, -1)))
+            for p in pods.items
+            if p.status.phase == "Running" and not p.metadata.deletion_timestamp
+        ]
+        return max(running, key=lambda r: r[1]) if running else None
+
+    def reactions(self) -> dict[str, Any]:
+        samples: list[float] = []
+        timeouts, skipped = 0, 0
+        candidates = self.rng.sample(self.jobs, len(self.jobs))
+        for name in candidates:
+            if len(samples) + timeouts >= self.args.kills:
+                break
+            worker = self.running_worker(name)
+            if worker is None:
+                skipped += 1
+                continue
+            pod, attempt = worker
+            try:
+                signal_pod(self.cluster.state_dir, NAMESPACE, pod, signal.SIGKILL)
+            except (OSError, ValueError):
+                skipped += 1
+                continue
+            killed = time.time()
+            seen = self.jobsets.wait_for((name, attempt + 1), self.args.reaction_timeout)
+            if seen is None:
+                timeouts += 1
+                log(f"  {name}: no JobSet for attempt {attempt + 1} after {self.args.reaction_timeout} s")
+            else:
+                samples.append(seen - killed)
+                log(f"  {name}: attempt {attempt + 1} JobSet after {seen - killed:.3f} s")
+            time.sleep(self.rng.uniform(1.0, 3.0))
+        return {
+            "measure": "SIGKILL of the worker -> replacement JobSet seen ADDED (bench watch)",
+            **quantiles(samples),
+            "timeouts": timeouts,
+            "skipped_not_running": skipped,
+            "samples_s": [round(s, 3) for s in samples],
+        }
+
+
+def helm_install(kubeconfig: Path, chart: Path, gcs_endpoint: str, pythonpath: str | None) -> None:
+    """The chart as a user installs it, one replica (the one measured); its GCS traffic goes to the
+    counting proxy. With a revision, its sources first on the operator's PYTHONPATH."""
+    sets = [
+        "image.repository=tpujob-operator", "image.tag=dev", f"livenessPort={free_port()}",
+        f"metrics.port={free_port()}", "replicaCount=1",
+        "extraEnv[0].name=STORAGE_EMULATOR_HOST", f"extraEnv[0].value={gcs_endpoint}",
+    ]  # fmt: skip
+    if pythonpath:
+        sets += ["extraEnv[1].name=PYTHONPATH", f"extraEnv[1].value={pythonpath}"]
+    result = subprocess.run(
+        [str(tools_dir() / "helm"), "upgrade", "--install", RELEASE, str(chart), "--namespace", OPERATOR_NAMESPACE,
+         "--create-namespace", "--kubeconfig", str(kubeconfig), "--wait", "--timeout", "3m",
+         *[arg for value in sets for arg in ("--set", value)]],
+        check=False, capture_output=True, text=True,
+    )  # fmt: skip
+    if result.returncode != 0:
+        raise RuntimeError(f"helm install of the operator failed:\n{result.stderr}")
+
+
+@contextmanager
+def operator_source(rev: str | None, parent: Path) -> Iterator[tuple[str, Path | None]]:
+    """(commit, checkout): REV in a detached git worktree (removed on the way out), or the working tree."""
+    if rev is None:
+        dirty = " (working tree, with uncommitted changes)" if _git("status", "--porcelain", "--", *SOURCES) else ""
+        yield _git("rev-parse", "HEAD") + dirty, None
+        return
+    commit = _git("rev-parse", "--verify", f"{rev}^{{commit}}")
+    path = parent / f"tpujob-{commit[:12]}"
+    _git("worktree", "add", "--detach", str(path), commit)
+    try:
+        yield commit, path
+    finally:
+        subprocess.run(["git", "worktree", "remove", "--force", str(path)], cwd=REPO_ROOT, check=False)
+        subprocess.run(["git", "worktree", "prune"], cwd=REPO_ROOT, check=False)
+
+
+TARGETS = {"operator_rss_mb": 250, "reaction_p99_s": 2.0, "periodic_list_calls": 0, "gcs_ops_per_idle_job_hour": 60}
+
+
+def targets(size: dict[str, Any]) -> dict[str, Any]:
+    idle = size["idle"]
+    got = {
+        "operator_rss_mb": idle["operator"]["rss_mb_max"],
+        "reaction_p99_s": size["reaction"]["p99"],
+        "periodic_list_calls": idle["apiserver"].get("periodic_list_calls"),
+        "gcs_ops_per_idle_job_hour": idle["gcs"]["operations_per_job_hour"],
+    }
+    return {
+        key: {"target": limit, "got": got[key], "met": got[key] is not None and got[key] <= limit}
+        for key, limit in TARGETS.items()
+    }
+
+
+def run_sizes(
+    args: argparse.Namespace, sizes: list[int], temp: Path, source: Path | None
+) -> tuple[list[dict[str, Any]], str | None, float | None]:
+    """Start the devcluster and the operator, step up through the sizes; whatever was reached."""
+    results: list[dict[str, Any]] = []
+    error: str | None = None
+    cluster_seconds: float | None = None
+    pools_file = temp / "pools.yaml"
+    pools_file.write_text(yaml.safe_dump({"pools": [], "system_nodes": 1}))
+    log("starting the devcluster")
+    cluster = DevCluster(
+        temp / "cluster", pools_file, audit_policy=AUDIT_POLICY, pod_runner_interval=args.pod_runner_interval
+    )
+    t0 = time.monotonic()
+    cluster.start()
+    proxy: CountingProxy | None = None
+    try:
+        assert cluster.gcs is not None
+        proxy = CountingProxy(cluster.gcs.port)
+        threading.Thread(target=proxy.serve_forever, daemon=True).start()
+        if source is not None:
+            cluster.plane.apply_crd(source / "crds" / "trainingjob.yaml")
+        pythonpath = ":".join(str(source / d) for d in SOURCES) if source is not None else None
+        helm_install(cluster.kubeconfig, (source or REPO_ROOT) / "charts" / "tpujob", proxy.endpoint, pythonpath)
+        cluster_seconds = round(time.monotonic() - t0, 1)
+        log(f"devcluster and operator ready in {cluster_seconds} s")
+        bench = Bench(cluster, proxy, args)
+        bench.ensure_namespace()
+        for size in sizes:
+            t1 = time.monotonic()
+            try:
+                results.append(bench.step_up(size))
+            except Exception as failure:  # report what was reached
+                error = f"size {size}: {type(failure).__name__}: {failure}"
+                log(error)
+                break
+            results[-1]["wall_seconds"] = round(time.monotonic() - t1, 1)
+            log(f"size {size} done in {results[-1]['wall_seconds']} s")
+    finally:
+        if proxy is not None:
+            proxy.shutdown()
+        cluster.stop()
+    return results, error, cluster_seconds
+
+
+def main() -> None:
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # so that the devcluster is stopped too
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--sizes", default="10,100,1000", help="comma-separated job counts, stepped up in order")
+    parser.add_argument("--idle-seconds", type=float, default=120.0, help="idle window per size")
+    parser.add_argument("--kills", type=int, default=10, help="worker kills (reaction samples) per size")
+    parser.add_argument("--progress-seconds", type=int, default=20, help="stub trainer: progress record interval")
+    parser.add_argument("--commit-seconds", type=int, default=180, help="stub trainer: committed step interval")
+    parser.add_argument("--ready-timeout", type=float, default=180.0, help="base wait for all jobs Running (s)")
+    parser.add_argument("--ready-seconds-per-job", type=float, default=1.0, help="plus this per job added (s)")
+    parser.add_argument("--settle-seconds", type=float, default=30.0, help="pause between Running and the window")
+    parser.add_argument("--reaction-timeout", type=float, default=60.0, help="wait for one replacement JobSet (s)")
+    parser.add_argument("--keep-up-interval", type=float, default=30.0,
+                        help="a mean re-read interval per job above this counts as not keeping up (s)")  # fmt: skip
+    parser.add_argument("--spare-pools", type=int, default=5, help="node pools beyond jobs + kills")
+    parser.add_argument("--pod-runner-interval", type=float, default=1.0, help="the pod runner's pass interval (s)")
+    parser.add_argument("--operator-rev", help="run this revision's operator and chart (git worktree)")
+    parser.add_argument("--seed", type=int, default=11)
+    args = parser.parse_args()
+    sizes = [int(s) for s in args.sizes.split(",") if s.strip()]
+    if sizes != sorted(sizes):
+        parser.error("--sizes must increase (the cluster is stepped up)")
+    started = time.monotonic()
+    with tempfile.TemporaryDirectory(prefix="tpujob-scale-") as temp_dir:
+        temp = Path(temp_dir)
+        with operator_source(args.operator_rev, temp) as (commit, source):
+            results, error, cluster_seconds = run_sizes(args, sizes, temp, source)
+    largest = results[-1] if results else None
+    document = {
+        "benchmark": "operator_scale",
+        "workload": f"TrainingJobs of 1 slice {ACCELERATOR} {TOPOLOGY} (1 worker pod), backoff 0, stub trainer "
+        f"(progress every {args.progress_seconds} s, a committed step every {args.commit_seconds} s), "
+        "one kwok node pool per job",
+        "command": " ".join(["bench/operator_scale.py", *sys.argv[1:]]),
+        "git_rev": _git("rev-parse", "HEAD"),
+        "operator": {"rev": args.operator_rev or "working tree", "commit": commit},
+        "machine": {"cpus": os.cpu_count(), "load_average_end": [round(x, 2) for x in os.getloadavg()]},
+        "cluster_start_seconds": cluster_seconds,
+        "sizes": results,
+        "curve": [
+            {
+                "jobs": r["jobs"],
+                "operator_rss_mb": r["idle"]["operator"]["rss_mb_max"],
+                "operator_cpu_seconds_per_minute": r["idle"]["operator"]["cpu_seconds_per_minute"],
+                "apiserver_rps": r["idle"]["apiserver"].get("requests_per_second"),
+                "apiserver_rps_by_verb": r["idle"]["apiserver"].get("rps_by_verb"),
+                "periodic_list_calls_per_minute": r["idle"]["apiserver"].get("periodic_list_calls_per_minute"),
+                "per_job_reconcile_interval_s": r["idle"]["apiserver"].get("per_job_reconcile_interval_s"),
+                "gcs_ops_per_job_hour": r["idle"]["gcs"]["operations_per_job_hour"],
+                "reaction_p50_s": r["reaction"]["p50"],
+                "reaction_p99_s": r["reaction"]["p99"],
+                "reaction_n": r["reaction"]["n"],
+                "ready_seconds": r["ready_seconds"],
+                "keeping_up": r["keeping_up"],
+            }
+            for r in results
+        ],
+        "stops_keeping_up_at": next((r["jobs"] for r in results if not r["keeping_up"]), None),
+        "targets_at_largest_size": {"jobs": largest["jobs"], **targets(largest)} if largest else None,
+        "error": error,
+        "wall_seconds": round(time.monotonic() - started, 1),
+    }
+    print(json.dumps(document, indent=2))
+
+
+if __name__ == "__main__":
+    main()
