@@ -44,7 +44,8 @@ def devcluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DevCluster]
     # Kueue runs for every e2e test: jobs without its queue label must behave exactly as without it.
     cluster = DevCluster(state, pools, kueue=True).start()
     try:
-        helm_install_operator(cluster.kubeconfig, "kueue.enabled=true")
+        # Status follows the trainer within 5 s (the default, 60 s, would add up to a minute to every wait).
+        helm_install_operator(cluster.kubeconfig, "kueue.enabled=true", "reconcile.progressCheckSeconds=5")
         yield cluster
     finally:
         cluster.stop()

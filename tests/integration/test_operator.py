@@ -16,7 +16,6 @@ from google.cloud import storage
 from kubernetes import client
 from tpujob_operator import api, checkpoints
 from tpujob_operator.jobset import JOBSET_GROUP, JOBSET_PLURAL, JOBSET_VERSION, build_jobset
-from tpujob_operator.reconcile import POLL_SECONDS
 
 from ..conftest import TEST_BUCKET
 from .conftest import eventually, training_job_manifest
@@ -214,7 +213,7 @@ def test_restarted_operator_never_duplicates_a_jobset(start_operator, cluster, u
     eventually(lambda: cluster.jobset(f"{unique_name}-a0"), what="JobSet a0")
     first_operator.stop()
     start_operator()
-    time.sleep(2 * POLL_SECONDS)  # the resume handler and several timer ticks run in this window
+    time.sleep(10)  # the start-up listing and the new JobSet events are handled in this window
     assert [js["metadata"]["name"] for js in cluster.jobsets()] == [f"{unique_name}-a0"]
     assert cluster.status(unique_name)["attempt"] == 0
 

@@ -525,7 +525,7 @@ def run_demo(state_dir: Path) -> int:
     kubeconfig = Path(read_state(state_dir)["kubeconfig"])  # type: ignore[index]
     try:
         print("devcluster up; installing the operator with Helm ...", flush=True)
-        helm_install_operator(kubeconfig)
+        helm_install_operator(kubeconfig, "reconcile.progressCheckSeconds=5")  # status follows the short run closely
         api = config.new_client_from_config(str(kubeconfig))
         custom = client.CustomObjectsApi(api)
         manifest = yaml.safe_load(DEMO_MANIFEST.read_text())

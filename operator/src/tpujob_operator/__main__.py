@@ -13,7 +13,7 @@ import os
 
 import kopf
 
-from . import handlers, leader, policy  # importing handlers registers them
+from . import handlers, leader, policy, runtime  # importing handlers registers them
 from .kube import load_config
 from .metrics import DEFAULT_PORT, METRICS
 
@@ -40,12 +40,26 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=os.environ.get("TPUJOB_DEFAULT_QUEUE_NAME") or None,
         help="Kueue LocalQueue for TrainingJobs without the kueue.x-k8s.io/queue-name label (default: none)",
     )
+    scale = parser.add_argument_group("scale (see the README's 'Operator at fleet scale')")
+    scale.add_argument(
+        "--max-concurrent-reconciles", type=int, default=8, metavar="N", help="jobs reconciled at once (default 8)"
+    )
+    scale.add_argument(
+        "--progress-check-seconds",
+        type=float,
+        default=runtime.PROGRESS_CHECK_SECONDS,
+        metavar="SECONDS",
+        help="how often a training job's progress record is checked without other news (default 60; one GCS "
+        "read when it is unchanged)",
+    )
     policy.add_arguments(parser)
     args = parser.parse_args(argv)
     try:
         args.policy = policy.from_arguments(args)
     except ValueError as error:
         parser.error(str(error))
+    if args.max_concurrent_reconciles < 1 or args.progress_check_seconds <= 0:
+        parser.error("--max-concurrent-reconciles must be at least 1 and --progress-check-seconds positive")
     if args.leader_elect and (problem := election_settings(args, identity="-").problem()):
         parser.error(problem)
     return args
@@ -65,6 +79,8 @@ def election_settings(args: argparse.Namespace, identity: str) -> leader.Electio
 async def run(args: argparse.Namespace) -> None:
     handlers.RUNTIME.policy = args.policy
     handlers.RUNTIME.default_queue = args.default_queue_name
+    handlers.RUNTIME.schedule.limit = args.max_concurrent_reconciles
+    handlers.RUNTIME.progress_check_seconds = args.progress_check_seconds
     log.info("policy: %s", args.policy)
     if args.leader_elect:
         load_config()  # the client's LeaseLock uses the default API client

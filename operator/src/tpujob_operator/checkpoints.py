@@ -7,6 +7,7 @@ mistakes cannot touch another job's checkpoints.
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass, replace
 
 import requests
 import tpujob_contract as contract
@@ -120,3 +121,47 @@ def read_progress(client: storage.Client, run_dir: str) -> Progress | None:
         raise StorageError(f"reading {run_dir}/{PROGRESS_FILE} failed: {error}") from error
     except (ValueError, KeyError) as error:
         raise StorageError(f"{run_dir}/{PROGRESS_FILE} is malformed: {error}") from error
+
+
+@dataclass(frozen=True)
+class RunView:
+    """What the operator last read of one run directory, kept between reconciles so that a read
+    happens only when the work says something may have changed (see `handlers`)."""
+
+    latest_committed_step: int | None = None
+    listed: bool = False  # latest_committed_step comes from a listing (False: never listed yet)
+    progress: Progress | None = None
+    progress_generation: int | None = None  # GCS generation of the record `progress` was parsed from
+    error: str | None = None  # the last read failed: reported until a read succeeds
+
+
+def refresh_progress(client: storage.Client, run_dir: str, view: RunView) -> RunView:
+    """Re-read the progress record only if it changed: one metadata read (its generation), plus the
+    download when the generation is new. Raises StorageError."""
+    bucket_name, prefix = split_gs_path(run_dir)
+    name = f"{prefix}/{PROGRESS_FILE}" if prefix else PROGRESS_FILE
+    bucket = client.bucket(bucket_name)
+    try:
+        blob = bucket.get_blob(name, timeout=_TIMEOUT_SECONDS, retry=_RETRY)
+        if blob is None:
+            return replace(view, progress=None, progress_generation=None, error=None)
+        if blob.generation is not None and blob.generation == view.progress_generation:
+            return replace(view, error=None)
+        try:
+            raw = blob.download_as_bytes(timeout=_TIMEOUT_SECONDS, retry=_RETRY)  # that generation
+            generation = blob.generation
+        except gcs_errors.NotFound:  # rewritten since the metadata read: take the newest, generation unknown
+            raw = bucket.blob(name).download_as_bytes(timeout=_TIMEOUT_SECONDS, retry=_RETRY)
+            generation = None
+        return replace(view, progress=parse_progress(raw), progress_generation=generation, error=None)
+    except gcs_errors.NotFound:
+        return replace(view, progress=None, progress_generation=None, error=None)
+    except _STORAGE_FAILURES as error:
+        raise StorageError(f"reading {run_dir}/{PROGRESS_FILE} failed: {error}") from error
+    except (ValueError, KeyError) as error:
+        raise StorageError(f"{run_dir}/{PROGRESS_FILE} is malformed: {error}") from error
+
+
+def refresh_latest(client: storage.Client, run_dir: str, view: RunView) -> RunView:
+    """List the checkpoints (one listing, one commit-marker check per step tried). Raises StorageError."""
+    return replace(view, latest_committed_step=latest_committed_step(client, run_dir), listed=True, error=None)

@@ -29,11 +29,16 @@ KUEUE_GROUP, KUEUE_VERSION = "kueue.x-k8s.io", "v1beta2"
 KUEUE_JOB_UID_LABEL = "kueue.x-k8s.io/job-uid"
 
 
-def load_config() -> None:
+def load_config(pool_size: int | None = None) -> None:
+    """In-cluster credentials, else the kubeconfig; `pool_size` connections for as many concurrent calls."""
     try:
         config.load_incluster_config()
     except config.ConfigException:
         config.load_kube_config()
+    if pool_size is not None:
+        configuration = client.Configuration.get_default_copy()
+        configuration.connection_pool_maxsize = pool_size
+        client.Configuration.set_default(configuration)
 
 
 class Conflict(RuntimeError):
@@ -140,11 +145,11 @@ class Cluster:
                 raise Conflict(f"{meta['namespace']}/{meta['name']} changed since it was read") from error
             raise
 
-    def create_jobset(self, namespace: str, manifest: dict[str, Any]) -> bool:
-        """False when it already exists: creation is idempotent by name. Any other refusal (invalid,
-        forbidden by a quota or an admission policy) raises ApiException for the caller to report."""
+    def create_jobset(self, namespace: str, manifest: dict[str, Any]) -> dict[str, Any] | None:
+        """The JobSet as created, or None when it already exists: creation is idempotent by name. Any other
+        refusal (invalid, forbidden by a quota or an admission policy) raises ApiException for the caller."""
         try:
-            self.custom.create_namespaced_custom_object(
+            created = self.custom.create_namespaced_custom_object(
                 JOBSET_GROUP,
                 JOBSET_VERSION,
                 namespace,
@@ -152,10 +157,10 @@ class Cluster:
                 manifest,
                 _request_timeout=REQUEST_TIMEOUT_SECONDS,
             )
-            return True
+            return cast(dict[str, Any], created)
         except ApiException as error:
             if error.status == 409:
-                return False
+                return None
             raise
 
     def delete_jobset(self, namespace: str, name: str, save: bool = False) -> None:

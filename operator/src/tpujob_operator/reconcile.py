@@ -31,8 +31,12 @@ from .restarts import (
 from .status import parse_time, rfc3339, rfc3339_precise, set_condition, with_observations, with_phase
 
 TERMINAL_PHASES = ("Succeeded", "Failed")
-# How often a running job is re-examined without events (progress, hang, new checkpoints).
-POLL_SECONDS = 10.0
+# When a job is next re-examined without news (`Actions.requeue_after`): watch events bring news about
+# JobSets and pods at once, so a timer is needed only for what no event announces: a stage's deadline,
+# the trainer's progress (in storage), a backoff's end.
+RECHECK_SECONDS = 60.0  # nothing is expected: a safety net
+STARTUP_CHECK_SECONDS = 5.0  # the first step of a started attempt is expected any moment
+STORAGE_RETRY_SECONDS = 10.0  # storage could not be read: try again soon
 STORAGE_CONDITION = "CheckpointStorageReachable"
 # Container waiting reasons that keep a started pod from ever running until someone fixes something.
 _STUCK_WAITING_REASONS = (
@@ -134,7 +138,7 @@ def _decide(tj: TrainingJob, observed: Observed) -> tuple[TrainingJobStatus, Act
         return _remove_foreign(tj, status, observed, actions, foreign)
     if current is None:
         if observed.queue_name and tj.spec.suspend:  # Kueue would admit a suspended JobSet: create none
-            actions.requeue_after = POLL_SECONDS
+            actions.requeue_after = RECHECK_SECONDS
             return _enter(status, "Suspended", "Suspended", "spec.suspend is true", "Suspended", now), actions
         return _without_jobset(tj, status, observed, actions)
     if current.state == "Completed":
@@ -243,7 +247,7 @@ def _without_jobset(
     latest = observed.latest_committed_step if observed.storage_error is None else None
     actions.create_attempt = status.attempt
     actions.resume_step = latest
-    actions.requeue_after = POLL_SECONDS
+    actions.requeue_after = RECHECK_SECONDS
     status.next_restart_time = None
     status.resumed_from_step = latest
     _with_later_resume_point(status, latest)
@@ -288,7 +292,7 @@ def _suspension(
     tj: TrainingJob, status: TrainingJobStatus, observed: Observed, actions: Actions, current: JobSetFacts
 ) -> tuple[TrainingJobStatus, Actions]:
     now = observed.now
-    actions.requeue_after = POLL_SECONDS
+    actions.requeue_after = RECHECK_SECONDS
     if current.queue_name:
         return _queued(tj, status, observed, actions, current)
     if tj.spec.suspend:
@@ -367,6 +371,14 @@ def _clock_floor(status: TrainingJobStatus, current: JobSetFacts) -> datetime:
     return max(t for t in (current.created, current.resumed_at, recovered) if t is not None)
 
 
+def _until(now: datetime, since: datetime, timeout_seconds: int, at_most: float) -> float:
+    """Seconds until a stage clock that started at `since` expires (just after it), at most `at_most`."""
+    if timeout_seconds <= 0:
+        return at_most
+    left = timeout_seconds - (now - since).total_seconds()
+    return max(0.5, min(at_most, left + 0.5))
+
+
 def _stuck_pod(pods: tuple[PodFacts, ...]) -> PodFacts | None:
     return next((p for p in pods if p.waiting_reason in _STUCK_WAITING_REASONS), None)
 
@@ -376,7 +388,7 @@ def _while_active(
 ) -> tuple[TrainingJobStatus, Actions]:
     now = observed.now
     policy = tj.spec.restart
-    actions.requeue_after = POLL_SECONDS
+    actions.requeue_after = STORAGE_RETRY_SECONDS
     waiting_phase: Phase = "Restarting" if status.phase == "Restarting" else "Pending"
     if observed.storage_error is not None:
         # Progress is unknown, so no clock may decide anything: keep what was known and say why.
@@ -392,6 +404,7 @@ def _while_active(
 
     if not progressing and (len(scheduled) < expected or expected == 0):
         status = _staged(status, "Scheduling", now)
+        actions.requeue_after = _until(now, floor, policy.scheduling_timeout_seconds, RECHECK_SECONDS)
         if expired(now, floor, policy.scheduling_timeout_seconds):
             timeout = f"{len(scheduled)}/{expected} worker pods scheduled after {policy.scheduling_timeout_seconds}s"
             failure = Failure("SchedulingTimeout", "SchedulingTimeout", timeout, None, now)
@@ -410,6 +423,7 @@ def _while_active(
     if not progressing:
         status = _staged(status, "StartingUp", now)
         since = max([floor, *scheduled])
+        actions.requeue_after = _until(now, since, policy.startup_timeout_seconds, STARTUP_CHECK_SECONDS)
         if expired(now, since, policy.startup_timeout_seconds):
             timeout = f"no step within {policy.startup_timeout_seconds}s of all pods being scheduled"
             failure = Failure("StartupTimeout", "StartupTimeout", timeout, None, now)
@@ -425,6 +439,7 @@ def _while_active(
     status = _staged(status, "Training", now)
     last_progress = parse_time(status.last_progress_time) or floor
     since = max(floor, last_progress)
+    actions.requeue_after = _until(now, since, policy.hang_timeout_seconds, RECHECK_SECONDS)
     if expired(now, since, policy.hang_timeout_seconds):
         hang = Failure(
             "Hang",

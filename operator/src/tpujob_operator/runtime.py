@@ -1,0 +1,520 @@
+"""The operator's runtime: its clients, what it remembers of live jobs, and one reconcile of a job.
+
+The kopf handlers (handlers.py) feed it: TrainingJobs, JobSets and worker pods arrive through kopf's
+watch streams into kopf indexes, and a reconcile reads a snapshot of them, not the apiserver. The
+apiserver sees writes and watches; GCS is read only when the work says something may have changed
+(`storage_reads`). Everything kept per job is dropped when the job ends or is deleted.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from collections import defaultdict
+from collections.abc import Callable, Iterable, Mapping
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, replace
+from datetime import UTC, datetime
+from typing import Any
+
+from kubernetes.client.exceptions import ApiException
+from pydantic import ValidationError
+
+from . import api, checkpoints, maxtext, policy
+from .facts import Actions, Observed
+from .jobset import (
+    LABEL_ATTEMPT,
+    build_jobset,
+    expected_pods,
+    incarnation_uid,
+    jobset_facts,
+    queue_name,
+    workload_admission,
+)
+from .kube import Cluster, Conflict, load_config
+from .metrics import METRICS
+from .reconcile import TERMINAL_PHASES, reconcile, with_creation_refused
+from .schedule import JobKey, Schedule
+from .status import parse_time, rfc3339, with_phase
+
+log = logging.getLogger("tpujob")
+# A conflicting status write means someone else changed the job: read and decide again, a few times.
+CONFLICT_RETRIES = 3
+# Refusals that only a spec change can fix; others (quota: 403, overload: 429/5xx) may pass later.
+_PERMANENT_REFUSALS = (400, 422)
+# How often a training job's progress record is checked without other news (one GCS metadata read
+# when it has not changed): the freshness of status.step, and the GCS cost of an idle job.
+PROGRESS_CHECK_SECONDS = 60.0
+# Reads closer together than this reuse the last one (a burst of pod events is one read).
+FRESH_SECONDS = 2.0
+# Lookups that only Events or Kueue can answer (why pods are not created, why a job waits in its
+# queue) are LISTs: at most one per job per this long, and only while the question is open.
+SLOW_LOOKUP_SECONDS = 30.0
+# A JobSet's pods normally appear within seconds: only after this long is a refusal looked for.
+POD_CREATION_GRACE_SECONDS = 10.0
+# Status that differs only in the goodput ledger's clock is written at most this often.
+GOODPUT_WRITE_SECONDS = 60.0
+
+
+@dataclass(frozen=True)
+class Reads:
+    progress: bool
+    listing: bool
+
+
+def storage_reads(
+    view: checkpoints.RunView, *, workers_running: bool, deciding: bool, age: float | None, check_seconds: float
+) -> Reads:
+    """Which GCS reads a reconcile makes. Nothing is read while no worker runs (a job waiting for
+    capacity or its queue writes nothing), except for a decision (a restart, a new attempt, a
+    resume), which reads everything. A running job's record is checked every `check_seconds` (at
+    most; events may bring the check forward); the checkpoints are listed only when the record says
+    a newer commit exists, or when the latest committed step was never listed."""
+    if deciding:
+        return Reads(progress=True, listing=True)
+    fresh = age is not None and age < min(FRESH_SECONDS, check_seconds)
+    progress = workers_running and not fresh
+    return Reads(progress=progress, listing=progress and not view.listed)
+
+
+def newer_commit_reported(view: checkpoints.RunView) -> bool:
+    reported = view.progress.last_committed_step if view.progress is not None else None
+    current = view.latest_committed_step
+    return reported is not None and (current is None or reported > current)
+
+
+def merged_jobsets(
+    cached: Iterable[dict[str, Any]], created: Mapping[str, dict[str, Any]], deleted: set[str]
+) -> list[dict[str, Any]]:
+    """The JobSets of a job as the cache shows them, plus what this operator created and minus what it
+    deleted that the watch has not delivered yet (a reconcile right after its own write must not
+    create the attempt twice or delete a JobSet again)."""
+    seen = {js["metadata"]["name"]: js for js in cached}
+    return [js for name, js in seen.items() if name not in deleted] + [
+        js for name, js in created.items() if name not in seen and name not in deleted
+    ]
+
+
+def newest(*bodies: dict[str, Any] | None) -> dict[str, Any] | None:
+    """The body with the highest resourceVersion (etcd's revision; the watch may lag our own write)."""
+
+    def revision(body: dict[str, Any]) -> int:
+        try:
+            return int(body["metadata"].get("resourceVersion") or 0)
+        except (TypeError, ValueError):
+            return 0
+
+    present = [b for b in bodies if b is not None]
+    return max(present, key=revision, default=None)
+
+
+def slim_pod(body: Mapping[str, Any]) -> dict[str, Any]:
+    """What the operator reads of a worker pod (metadata and status; no spec): kept per cached pod."""
+    meta = body.get("metadata") or {}
+    kept = ("name", "namespace", "labels", "annotations", "creationTimestamp", "deletionTimestamp", "uid")
+    return {"metadata": {k: meta[k] for k in kept if k in meta}, "status": dict(body.get("status") or {})}
+
+
+def slim_jobset(body: Mapping[str, Any]) -> dict[str, Any]:
+    """What the operator reads of a JobSet: metadata, suspend, the pod count, the conditions."""
+    spec = body.get("spec") or {}
+    replicated = [
+        {
+            "replicas": rj.get("replicas", 1),
+            "template": {"spec": {"parallelism": ((rj.get("template") or {}).get("spec") or {}).get("parallelism", 1)}},
+        }
+        for rj in spec.get("replicatedJobs") or []
+    ]
+    return {
+        "metadata": dict(body.get("metadata") or {}),
+        "spec": {"suspend": spec.get("suspend"), "replicatedJobs": replicated},
+        "status": {"conditions": list((body.get("status") or {}).get("conditions") or [])},
+    }
+
+
+@dataclass
+class Snapshot:
+    """A job's objects as the caches showed them when its reconcile started (copied on the event loop)."""
+
+    body: dict[str, Any]
+    jobsets: list[dict[str, Any]]
+    pods: list[dict[str, Any]]
+
+
+@dataclass
+class Lookup:
+    """A slow lookup's last answer and when it was made (monotonic seconds)."""
+
+    at: float
+    answer: Any
+
+
+class Runtime:
+    """The operator's clients and its memory of live jobs (nothing here outlives a job)."""
+
+    def __init__(self) -> None:
+        self._cluster: Cluster | None = None
+        self._storage: Any = None
+        self.watched: set[JobKey] = set()
+        # kopf's indexes (handlers.py), keyed by job: TrainingJob bodies, JobSets, worker pods.
+        self.indexes: dict[str, Mapping[JobKey, Iterable[dict[str, Any]]]] = {}
+        # The last state of each worker pod that ended or was deleted: evicted, preempted or
+        # garbage-collected pods leave the cache, but what they said on the way out classifies a failure.
+        self.ended_pods: defaultdict[JobKey, dict[str, dict[str, Any]]] = defaultdict(dict)
+        # Our own writes the watch has not delivered yet.
+        self.written: dict[JobKey, dict[str, Any]] = {}  # the TrainingJob as our last status write returned it
+        self.created: defaultdict[JobKey, dict[str, dict[str, Any]]] = defaultdict(dict)
+        self.deleted: defaultdict[JobKey, set[str]] = defaultdict(set)
+        self.runs: dict[JobKey, checkpoints.RunView] = {}  # the last GCS reads of each run directory
+        self.read_at: dict[JobKey, float] = {}  # when its progress was last read (monotonic)
+        self.lookups: dict[tuple[JobKey, str], Lookup] = {}
+        self.policy = policy.Policy()  # what a job may ask for (the chart's `policy` values, as flags)
+        self.default_queue: str | None = None  # Kueue LocalQueue for jobs without the queue label
+        self.progress_check_seconds = PROGRESS_CHECK_SECONDS
+        self.schedule = Schedule(self.reconcile)
+        self._executor: ThreadPoolExecutor | None = None
+
+    # -- clients -----------------------------------------------------------------------------------
+
+    def cluster(self) -> Cluster:
+        if self._cluster is None:
+            load_config(pool_size=self.schedule.limit + 2)
+            self._cluster = Cluster()
+        return self._cluster
+
+    def storage(self) -> Any:
+        if self._storage is None:
+            self._storage = checkpoints.make_client()
+        return self._storage
+
+    def close(self) -> None:
+        """The operator stops: no more checks are due; reconciles in flight finish on their own."""
+        for key in list(self.schedule.due):
+            self.schedule.cancel(key)
+        if self._executor is not None:
+            self._executor.shutdown(wait=False)
+            self._executor = None
+
+    # -- memory of jobs ----------------------------------------------------------------------------
+
+    def watch(self, key: JobKey) -> None:
+        self.watched.add(key)
+
+    def forget(self, key: JobKey) -> None:
+        """The job ended or was deleted: keep nothing of it."""
+        self.watched.discard(key)
+        self.schedule.cancel(key)
+        for memory in (self.ended_pods, self.written, self.created, self.deleted, self.runs, self.read_at):
+            memory.pop(key, None)  # type: ignore[attr-defined]
+        for lookup in [k for k in self.lookups if k[0] == key]:
+            del self.lookups[lookup]
+        METRICS.forget(*key)
+
+    def remembered(self, key: JobKey) -> int:
+        """How many things the runtime holds for a job (0 once it ended or was deleted)."""
+        held = int(key in self.watched) + len(self.ended_pods.get(key, {})) + int(key in self.schedule.due)
+        stores = (self.written, self.created, self.deleted, self.runs, self.read_at)
+        return held + sum(int(key in s) for s in stores) + sum(1 for k in self.lookups if k[0] == key)
+
+    def keep_only_attempt(self, key: JobKey, uid: str | None, attempt: int) -> None:
+        """Drop remembered pods of earlier attempts and other incarnations: they decide nothing any more."""
+        pods = self.ended_pods.get(key)
+        if pods is None:
+            return
+        for name, body in list(pods.items()):
+            labels = body["metadata"].get("labels") or {}
+            owner = incarnation_uid(body)
+            if labels.get(LABEL_ATTEMPT) != str(attempt) or (owner is not None and owner != uid):
+                del pods[name]
+        if not pods:
+            del self.ended_pods[key]
+
+    def request(self, key: JobKey, delay: float = 0.0) -> None:
+        if key in self.watched:
+            self.schedule.request(key, delay)
+
+    # -- one reconcile -----------------------------------------------------------------------------
+
+    def snapshot(self, key: JobKey) -> Snapshot | None:
+        """Copies of the job's cached objects (taken on the event loop, which alone changes them)."""
+        cached_bodies = list(self.indexes.get("trainingjobs", {}).get(key, ()))
+        body = newest(*cached_bodies, self.written.get(key))
+        if body is None:
+            return None
+        cached_jobsets = list(self.indexes.get("jobsets", {}).get(key, ()))
+        names = {js["metadata"]["name"] for js in cached_jobsets}
+        created, deleted = self.created.get(key, {}), self.deleted.get(key, set())
+        for name in [n for n in created if n in names]:
+            del created[name]  # the watch has it now
+        deleted &= names  # gone from the cache: nothing left to hide
+        jobsets = merged_jobsets(cached_jobsets, created, deleted)
+        live = {p["metadata"]["name"]: p for p in self.indexes.get("pods", {}).get(key, ())}
+        pods = list({**self.ended_pods.get(key, {}), **live}.values())
+        return Snapshot(dict(body), jobsets, pods)
+
+    async def reconcile(self, key: JobKey) -> float | None:
+        """Reconcile one job (in a worker thread); the delay of its next check, None if none is due."""
+        if key not in self.watched:
+            return None
+        snapshot = self.snapshot(key)
+        if snapshot is None:
+            self.forget(key)
+            return None
+        if self._executor is None:
+            self._executor = ThreadPoolExecutor(self.schedule.limit, thread_name_prefix="reconcile")
+        loop = asyncio.get_running_loop()
+        with METRICS.reconciling():
+            return await loop.run_in_executor(self._executor, self.reconcile_sync, key, snapshot)
+
+    def reconcile_sync(self, key: JobKey, snapshot: Snapshot) -> float | None:
+        body = snapshot.body
+        for _ in range(CONFLICT_RETRIES):
+            try:
+                return self._reconcile_once(key, body, snapshot)
+            except Conflict as conflict:
+                log.info("%s: re-reading and deciding again", conflict)
+                fresh = self.cluster().get_training_job(*key)
+                if fresh is None:
+                    self.forget(key)
+                    return None
+                body = self.written[key] = fresh
+        return 1.0
+
+    def _reconcile_once(self, key: JobKey, body: dict[str, Any], snapshot: Snapshot) -> float | None:
+        if body["metadata"].get("deletionTimestamp"):
+            self.forget(key)
+            return None
+        try:
+            tj = api.TrainingJob.model_validate(body)
+        except ValidationError as error:
+            self._report_invalid(key, body, error)
+            self.forget(key)
+            return None
+        if tj.status.phase in TERMINAL_PHASES:
+            self.forget(key)
+            return None
+        if problems := policy.violations(tj, self.policy):
+            self._refuse_for_policy(key, body, tj, problems, snapshot.jobsets)
+            self.forget(key)
+            return None
+        status, actions = reconcile(tj, self._observe(key, tj, snapshot, deciding=False))
+        if _changes_the_world(actions) and not self._read_everything_just_now(key):
+            # A decision reads storage afresh (the resume step, the steps lost) and is made again on it.
+            status, actions = reconcile(tj, self._observe(key, tj, snapshot, deciding=True))
+        self._apply(key, tj, body, status, actions)
+        if status.phase != tj.status.phase:
+            log.info(
+                "%s/%s: %s -> %s (attempt %d, step %s)", *key, tj.status.phase, status.phase, status.attempt,
+                status.step,
+            )  # fmt: skip
+        if status.phase in TERMINAL_PHASES:
+            self.forget(key)
+            return None
+        self.keep_only_attempt(key, tj.metadata.get("uid"), status.attempt)
+        return self._next_check(status, actions, snapshot)
+
+    def _next_check(self, status: api.TrainingJobStatus, actions: Actions, snapshot: Snapshot) -> float | None:
+        """The reconciler's own deadline, and for a training job no later than its next progress check."""
+        delay = actions.requeue_after
+        if status.stage == "Training":
+            delay = min(delay if delay is not None else self.progress_check_seconds, self.progress_check_seconds)
+        return delay
+
+    def _read_everything_just_now(self, key: JobKey) -> bool:
+        view, read_at = self.runs.get(key), self.read_at.get(key)
+        return bool(view and view.listed and read_at is not None and time.monotonic() - read_at < FRESH_SECONDS)
+
+    # -- observe -----------------------------------------------------------------------------------
+
+    def _read_storage(self, key: JobKey, tj: api.TrainingJob, workers_running: bool, deciding: bool) -> Any:
+        view = self.runs.get(key, checkpoints.RunView())
+        read_at = self.read_at.get(key)
+        age = None if read_at is None else time.monotonic() - read_at
+        reads = storage_reads(
+            view, workers_running=workers_running, deciding=deciding, age=age, check_seconds=self.progress_check_seconds
+        )
+        if tj.spec.framework == maxtext.FRAMEWORK:  # MaxText's progress is read from the listing
+            reads = Reads(progress=False, listing=reads.progress or reads.listing)
+        try:
+            if reads.progress:
+                self.read_at[key] = time.monotonic()
+                view = checkpoints.refresh_progress(self.storage(), tj.run_dir, view)
+            if reads.listing or (reads.progress and newer_commit_reported(view)):
+                self.read_at[key] = time.monotonic()
+                view = checkpoints.refresh_latest(self.storage(), tj.run_dir, view)
+        except checkpoints.StorageError as failure:
+            view = replace(view, error=str(failure))
+        self.runs[key] = view
+        return view, reads
+
+    def _observe(self, key: JobKey, tj: api.TrainingJob, snapshot: Snapshot, deciding: bool) -> Observed:
+        uid = tj.metadata.get("uid")
+        attempt = str(tj.status.attempt)
+        pods = snapshot.pods
+        ours = [p for p in pods if incarnation_uid(p) in (None, uid)]
+        foreign_running = [
+            p
+            for p in pods
+            if incarnation_uid(p) not in (None, uid)
+            and (p.get("status") or {}).get("phase") not in ("Succeeded", "Failed")
+        ]
+        attempt_pods = [p for p in ours if (p["metadata"].get("labels") or {}).get(LABEL_ATTEMPT) == attempt]
+        workers_running = any((p.get("status") or {}).get("phase") == "Running" for p in attempt_pods)
+        view, reads = self._read_storage(key, tj, workers_running, deciding)
+        progress, error = view.progress, view.error
+        facts = []
+        for js in snapshot.jobsets:
+            labels = js["metadata"].get("labels") or {}
+            current = labels.get(LABEL_ATTEMPT) == attempt and incarnation_uid(js) == uid
+            spec = js.get("spec") or {}
+            live = current and not js["metadata"].get("deletionTimestamp") and not spec.get("suspend")
+            refused = None
+            if live and len(attempt_pods) < expected_pods(js) and _age(js) > POD_CREATION_GRACE_SECONDS:
+                name = js["metadata"]["name"]  # only then can a refusal be the reason
+                refused = self._slowly(key, f"refusal:{name}", self.cluster().pod_creation_refusal, key[0], name)
+            admission: tuple[datetime | None, str | None] = (None, None)
+            if current and labels.get(api.QUEUE_LABEL):
+                js_uid = js["metadata"].get("uid")
+                question = f"workload:{js_uid}:{spec.get('suspend')}"  # asked afresh when the suspension flips
+                workload = self._slowly(key, question, self.cluster().workload_of, key[0], js_uid)
+                admission = workload_admission(workload) if workload else (None, None)
+            facts.append(jobset_facts(js, attempt_pods if current else [], refused, admission))
+        maxtext_news = reads.listing or deciding or view.progress is None
+        if tj.spec.framework == maxtext.FRAMEWORK and error is None and maxtext_news:  # it writes no record
+            try:
+                progress = maxtext.read_progress(self.storage(), tj, view.latest_committed_step, facts)
+                self.runs[key] = replace(view, progress=progress)
+            except checkpoints.StorageError as failure:
+                error = str(failure)
+        return Observed(
+            now=datetime.now(UTC),
+            jobsets=tuple(facts),
+            latest_committed_step=view.latest_committed_step,
+            progress=progress,
+            storage_error=error,
+            foreign_pods=len(foreign_running),
+            queue_name=queue_name(tj, self.default_queue),
+        )
+
+    def _slowly(self, key: JobKey, what: str, look: Callable[..., Any], *args: Any) -> Any:
+        """A LIST-backed lookup, answered from memory if it was made in the last SLOW_LOOKUP_SECONDS. The
+        `what` names the question (a new JobSet, a changed suspension asks afresh)."""
+        found = self.lookups.get((key, what))
+        now = time.monotonic()
+        if found is None or now - found.at >= SLOW_LOOKUP_SECONDS:
+            found = self.lookups[(key, what)] = Lookup(now, look(*args))
+        return found.answer
+
+    # -- apply -------------------------------------------------------------------------------------
+
+    def _write_status(self, key: JobKey, body: dict[str, Any], status: dict[str, Any]) -> dict[str, Any]:
+        written = self.written[key] = self.cluster().replace_status(body, status)
+        return written
+
+    def _apply(
+        self, key: JobKey, tj: api.TrainingJob, body: dict[str, Any], status: api.TrainingJobStatus, actions: Actions
+    ) -> None:
+        kube = self.cluster()
+        # Status first, on the version the decision was made from: if anyone changed the job since, the
+        # write fails (Conflict) and nothing below runs. If a later step fails, the next reconcile still
+        # knows the attempt it is on. Status that changed only by the goodput clock waits a while.
+        if status_worth_writing(body.get("status") or {}, _dump(status), _is_acting(actions)):
+            body = self._write_status(key, body, _dump(status))
+        METRICS.observe_reconcile(tj.namespace, tj.name, tj.status, status, datetime.now(UTC))
+        for name in actions.delete:
+            kube.delete_jobset(tj.namespace, name)
+            self.deleted[key].add(name)
+        for name in actions.stop:
+            kube.delete_jobset(tj.namespace, name, save=True)
+            self.deleted[key].add(name)
+        if actions.create_attempt is not None:
+            queue = queue_name(tj, self.default_queue)
+            manifest = build_jobset(tj, actions.create_attempt, actions.resume_step, queue)
+            try:
+                created = kube.create_jobset(tj.namespace, manifest)
+                if created is None:
+                    log.info("JobSet %s already exists (adopted)", manifest["metadata"]["name"])
+                else:
+                    self.created[key][manifest["metadata"]["name"]] = slim_jobset(created)
+            except ApiException as error:
+                if error.status is None or error.status >= 500 or error.status == 429:
+                    raise
+                message = _refusal_message(error)
+                refused = with_creation_refused(status, message, error.status in _PERMANENT_REFUSALS, datetime.now(UTC))
+                self._write_status(key, body, _dump(refused))
+                kube.post_event(body, "Warning", "JobSetRefused", message)
+        if actions.set_suspend is not None:
+            kube.set_jobset_suspend(tj.namespace, *actions.set_suspend)
+        for event in actions.events:
+            kube.post_event(body, event.type, event.reason, event.message)
+
+    def _report_invalid(self, key: JobKey, body: dict[str, Any], error: ValidationError) -> None:
+        """A spec that slipped past the CRD's validation (e.g. an older CRD): report it, never crash."""
+        message = "; ".join(f"spec.{'.'.join(str(p) for p in e['loc'])}: {e['msg']}" for e in error.errors())
+        current = api.TrainingJobStatus.model_validate(body.get("status") or {})
+        if current.phase == "Failed":
+            return
+        status = with_phase(current, "Failed", "InvalidSpec", message, datetime.now(UTC))
+        self._write_status(key, body, _dump(status))
+        self.cluster().post_event(body, "Warning", "InvalidSpec", message)
+
+    def _refuse_for_policy(
+        self, key: JobKey, body: dict[str, Any], tj: api.TrainingJob, problems: list[str], jobsets: list[dict[str, Any]]
+    ) -> None:
+        """A job that breaks the multi-tenant policy: Failed, an Event, its JobSets (if a spec change
+        made it violate) deleted; nothing is created for it and its checkpoint directory is never read."""
+        kube = self.cluster()
+        message = "; ".join(problems)
+        now = datetime.now(UTC)
+        status = with_phase(tj.status, "Failed", policy.REASON, message, now)
+        update = {
+            "stage": "Finished",
+            "stage_start_time": rfc3339(now),
+            "observed_generation": tj.metadata.get("generation"),
+        }
+        self._write_status(key, body, _dump(status.model_copy(update=update)))
+        kube.post_event(body, "Warning", policy.REASON, message)
+        for js in jobsets:
+            if incarnation_uid(js) == tj.metadata.get("uid") and not js["metadata"].get("deletionTimestamp"):
+                kube.delete_jobset(tj.namespace, js["metadata"]["name"])
+
+
+def _age(jobset: dict[str, Any]) -> float:
+    moment = parse_time(jobset["metadata"].get("creationTimestamp"))
+    return (datetime.now(UTC) - moment).total_seconds() if moment else 0.0
+
+
+def _changes_the_world(actions: Actions) -> bool:
+    return bool(actions.create_attempt is not None or actions.delete or actions.stop or actions.set_suspend)
+
+
+def _is_acting(actions: Actions) -> bool:
+    return _changes_the_world(actions) or bool(actions.events)
+
+
+def status_worth_writing(stored: dict[str, Any], decided: dict[str, Any], acting: bool) -> bool:
+    """Write a changed status, except one that changed only by the goodput ledger's clock while that
+    was written less than GOODPUT_WRITE_SECONDS ago (the next write accounts for the time between:
+    the ledger advances from what is stored)."""
+    if stored == decided:
+        return False
+    if acting or {k: v for k, v in stored.items() if k != "goodput"} != {
+        k: v for k, v in decided.items() if k != "goodput"
+    }:
+        return True
+    before = parse_time((stored.get("goodput") or {}).get("updatedAt"))
+    after = parse_time((decided.get("goodput") or {}).get("updatedAt"))
+    return before is None or after is None or (after - before).total_seconds() >= GOODPUT_WRITE_SECONDS
+
+
+def _refusal_message(error: ApiException) -> str:
+    try:
+        return str(json.loads(error.body or "{}").get("message") or error.reason)
+    except (TypeError, ValueError):
+        return str(error.reason or error)
+
+
+def _dump(status: api.TrainingJobStatus) -> dict[str, Any]:
+    return status.model_dump(by_alias=True, exclude_none=True, mode="json")

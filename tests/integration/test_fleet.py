@@ -1,0 +1,105 @@
+"""At fleet scale the apiserver sees watches and writes, not periodic lists (issue 11): the operator,
+in-process, against a real kube-apiserver, whose own request counters are the truth."""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+from collections import Counter
+from datetime import UTC, datetime
+from typing import Any
+
+import pytest
+from google.cloud import storage
+from kubernetes import client
+from tpujob_operator import checkpoints, handlers
+
+from ..conftest import TEST_BUCKET
+from .conftest import eventually, training_job_manifest
+from .test_operator import Cluster
+
+pytestmark = pytest.mark.integration
+JOBS = 4
+# The resources the operator reads; other components (the controller-manager) use other ones.
+OPERATOR_RESOURCES = {"trainingjobs", "jobsets", "pods", "events", "workloads"}
+_SAMPLE = re.compile(r"^apiserver_request_total\{(?P<labels>[^}]*)\} (?P<value>\S+)$")
+
+
+@pytest.fixture
+def cluster(kube: client.ApiClient, namespace: str) -> Cluster:
+    return Cluster(kube, namespace)
+
+
+def _now() -> str:
+    return datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def _requests(kube: client.ApiClient) -> Counter[tuple[str, str]]:
+    """The apiserver's request counters for the operator's resources: (verb, resource) -> count."""
+    method, url, headers, body, _ = kube.param_serialize("GET", "/metrics", auth_settings=["BearerToken"])
+    response = kube.call_api(method, url, header_params=headers, body=body)
+    response.read()
+    counts: Counter[tuple[str, str]] = Counter()
+    for line in response.data.decode().splitlines():
+        match = _SAMPLE.match(line)
+        if not match:
+            continue
+        labels = dict(re.findall(r'(\w+)="([^"]*)"', match.group("labels")))
+        if labels.get("resource") in OPERATOR_RESOURCES:
+            counts[(labels["verb"], labels["resource"])] += int(float(match.group("value")))
+    return counts
+
+
+def _running_worker(cluster: Cluster, jobset: Any) -> None:
+    """What the scheduler and kubelet would report for slice 0's worker: scheduled and running."""
+    meta = jobset["metadata"]
+    template = jobset["spec"]["replicatedJobs"][0]["template"]["spec"]["template"]
+    name = f"{meta['name']}-slice-0-0"
+    pod: Any = {
+        "metadata": {
+            "name": name,
+            "labels": template["metadata"]["labels"],
+            "annotations": {"jobset.sigs.k8s.io/job-index": "0"},
+        },
+        "spec": {"containers": [{"name": "trainer", "image": template["spec"]["containers"][0]["image"]}]},
+    }
+    cluster.core.create_namespaced_pod(cluster.namespace, pod)
+    running = {"type": "PodScheduled", "status": "True", "lastTransitionTime": _now()}
+    cluster.core.patch_namespaced_pod_status(
+        name, cluster.namespace, {"status": {"phase": "Running", "conditions": [running]}}
+    )
+
+
+def _write_progress(bucket: storage.Bucket, run: str, uid: str, step: int) -> None:
+    record = {"step": step, "attempt": 0, "uid": uid, "updated_at": datetime.now(UTC).isoformat(), "loss": 1.0}
+    bucket.blob(f"{run}/{checkpoints.PROGRESS_FILE}").upload_from_string(json.dumps(record))
+
+
+def test_training_jobs_cost_the_apiserver_no_periodic_list_or_get(
+    operator, cluster, kube, unique_name, fake_gcs_server
+):
+    handlers.RUNTIME.progress_check_seconds = 1.0  # many checks in the quiet window below
+    bucket = storage.Client(project="t", credentials=checkpoints.AnonymousCredentials()).bucket(TEST_BUCKET)
+    names = [f"{unique_name}-{i}" for i in range(JOBS)]
+    for name in names:
+        created = cluster.apply(
+            training_job_manifest(name, tpu={"accelerator": "tpu-v5p-slice", "topology": "2x2x1", "slices": 1})
+        )
+        jobset = eventually(lambda n=name: cluster.jobset(f"{n}-a0"), what=f"JobSet {name}-a0")
+        _running_worker(cluster, jobset)
+        _write_progress(bucket, f"runs/{cluster.namespace}/{name}", created["metadata"]["uid"], step=10)
+    for name in names:
+        eventually(lambda n=name: cluster.status(n).get("phase") == "Running", what=f"{name} Running")
+
+    before = _requests(kube)
+    time.sleep(8)  # about 8 progress checks of every job
+    after = _requests(kube)
+
+    reads = {k: after[k] - before[k] for k in after if k[0] in ("LIST", "GET") and after[k] != before[k]}
+    assert reads == {}, f"the operator read the apiserver while nothing happened: {reads}"
+    # ...and it kept checking: a new step in the record reaches status without any event.
+    _write_progress(
+        bucket, f"runs/{cluster.namespace}/{names[0]}", cluster.training_job(names[0])["metadata"]["uid"], step=20
+    )
+    eventually(lambda: cluster.status(names[0]).get("step") == 20, timeout=30, what="step 20 in status")

@@ -1,0 +1,108 @@
+"""The runtime's pure rules: which GCS reads a reconcile makes, how the caches and our own writes
+combine, which status is worth a write."""
+
+from datetime import UTC, datetime
+
+import pytest
+from tpujob_operator.checkpoints import RunView
+from tpujob_operator.facts import Progress
+from tpujob_operator.runtime import (
+    Reads,
+    merged_jobsets,
+    newer_commit_reported,
+    newest,
+    slim_jobset,
+    slim_pod,
+    status_worth_writing,
+    storage_reads,
+)
+
+T0 = datetime(2026, 11, 30, 12, 0, tzinfo=UTC)
+LISTED = RunView(latest_committed_step=100, listed=True)
+
+
+@pytest.mark.parametrize(
+    ("view", "running", "deciding", "age", "expected"),
+    [
+        # waiting for capacity or a queue: no worker writes anything, nothing is read
+        (RunView(), False, False, None, Reads(progress=False, listing=False)),
+        (LISTED, False, False, 300.0, Reads(progress=False, listing=False)),
+        # a decision (restart, new attempt, resume) reads everything, even right after a read
+        (LISTED, False, True, 0.1, Reads(progress=True, listing=True)),
+        # training: the record is checked; the checkpoints listed only if never listed
+        (RunView(), True, False, None, Reads(progress=True, listing=True)),
+        (LISTED, True, False, 61.0, Reads(progress=True, listing=False)),
+        # a burst of events right after a read reuses it
+        (LISTED, True, False, 0.5, Reads(progress=False, listing=False)),
+    ],
+)
+def test_storage_reads_follow_the_work(view, running, deciding, age, expected):
+    assert storage_reads(view, workers_running=running, deciding=deciding, age=age, check_seconds=60) == expected
+
+
+@pytest.mark.parametrize(
+    ("reported", "listed", "newer"),
+    [(None, 100, False), (100, 100, False), (90, 100, False), (120, 100, True), (5, None, True)],
+)
+def test_the_checkpoints_are_listed_again_only_when_the_record_reports_a_newer_commit(reported, listed, newer):
+    progress = Progress(step=130, attempt=0, updated_at=T0, last_committed_step=reported)
+    assert newer_commit_reported(RunView(latest_committed_step=listed, listed=True, progress=progress)) is newer
+
+
+def _js(name, rv="1"):
+    return {"metadata": {"name": name, "resourceVersion": rv}}
+
+
+def test_our_own_writes_show_until_the_watch_delivers_them():
+    cached = [_js("llama-a0"), _js("llama-a1")]
+    created = {"llama-a2": _js("llama-a2"), "llama-a1": _js("llama-a1", "0")}
+    merged = merged_jobsets(cached, created, deleted={"llama-a0"})
+    # a0 deleted by us is hidden; a1 comes from the cache, not from our copy; a2 is not in the cache yet
+    assert [(j["metadata"]["name"], j["metadata"]["resourceVersion"]) for j in merged] == [
+        ("llama-a1", "1"),
+        ("llama-a2", "1"),
+    ]
+
+
+def test_the_newest_body_is_the_one_with_the_highest_resource_version():
+    watched, written = _js("llama", "41"), _js("llama", "42")
+    assert newest(watched, written) is written and newest(written, None) is written and newest(None) is None
+    assert newest(_js("x", "9"), _js("x", "10"))["metadata"]["resourceVersion"] == "10"  # numeric, not text
+
+
+def test_slim_copies_keep_what_the_decoders_read():
+    pod = {
+        "metadata": {"name": "p", "labels": {"a": "b"}, "managedFields": [{"huge": True}]},
+        "spec": {"containers": [{"env": ["..."]}]},
+        "status": {"phase": "Running"},
+    }
+    assert slim_pod(pod) == {"metadata": {"name": "p", "labels": {"a": "b"}}, "status": {"phase": "Running"}}
+    jobset = {
+        "metadata": {"name": "j"},
+        "spec": {"suspend": True, "replicatedJobs": [{"replicas": 2, "template": {"spec": {"parallelism": 4}}}]},
+        "status": {"conditions": [{"type": "Completed", "status": "True"}], "replicatedJobsStatus": []},
+    }
+    slim = slim_jobset(jobset)
+    assert slim["spec"] == {
+        "suspend": True,
+        "replicatedJobs": [{"replicas": 2, "template": {"spec": {"parallelism": 4}}}],
+    }
+    assert slim["status"] == {"conditions": [{"type": "Completed", "status": "True"}]}
+
+
+def _status(step, goodput_at):
+    return {"phase": "Running", "step": step, "goodput": {"updatedAt": goodput_at, "wallSeconds": 1.0}}
+
+
+@pytest.mark.parametrize(
+    ("stored", "decided", "acting", "write"),
+    [
+        (_status(5, "2026-11-30T12:00:00Z"), _status(5, "2026-11-30T12:00:00Z"), False, False),  # unchanged
+        (_status(5, "2026-11-30T12:00:00Z"), _status(6, "2026-11-30T12:00:10Z"), False, True),  # news
+        (_status(5, "2026-11-30T12:00:00Z"), _status(5, "2026-11-30T12:00:10Z"), False, False),  # only the clock
+        (_status(5, "2026-11-30T12:00:00Z"), _status(5, "2026-11-30T12:01:00Z"), False, True),  # clock, a minute on
+        (_status(5, "2026-11-30T12:00:00Z"), _status(5, "2026-11-30T12:00:10Z"), True, True),  # a decision
+    ],
+)
+def test_status_that_changed_only_by_the_goodput_clock_is_written_at_most_once_a_minute(stored, decided, acting, write):
+    assert status_worth_writing(stored, decided, acting) is write
