@@ -39,9 +39,8 @@ def _requests(kube: client.ApiClient) -> Counter[tuple[str, str]]:
     """The apiserver's request counters for the operator's resources: (verb, resource) -> count."""
     method, url, headers, body, _ = kube.param_serialize("GET", "/metrics", auth_settings=["BearerToken"])
     response = kube.call_api(method, url, header_params=headers, body=body)
-    response.read()
     counts: Counter[tuple[str, str]] = Counter()
-    for line in response.data.decode().splitlines():
+    for line in (response.read() or b"").decode().splitlines():
         match = _SAMPLE.match(line)
         if not match:
             continue
