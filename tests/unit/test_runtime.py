@@ -22,22 +22,33 @@ LISTED = RunView(latest_committed_step=100, listed=True)
 
 
 @pytest.mark.parametrize(
-    ("view", "running", "deciding", "age", "expected"),
+    ("view", "running", "deciding", "ages", "expected"),
     [
         # waiting for capacity or a queue: no worker writes anything, nothing is read
-        (RunView(), False, False, None, Reads(progress=False, listing=False)),
-        (LISTED, False, False, 300.0, Reads(progress=False, listing=False)),
-        # a decision (restart, new attempt, resume) reads everything, even right after a read
-        (LISTED, False, True, 0.1, Reads(progress=True, listing=True)),
+        (RunView(), False, False, (None, None), Reads(progress=False, listing=False)),
+        (LISTED, False, False, (300.0, 300.0), Reads(progress=False, listing=False)),
+        # a decision (restart, new attempt, resume) reads everything not read just now
+        (LISTED, False, True, (300.0, 300.0), Reads(progress=True, listing=True)),
+        (LISTED, True, True, (0.1, 300.0), Reads(progress=False, listing=True)),
+        (LISTED, True, True, (0.1, 0.1), Reads(progress=False, listing=False)),
         # training: the record is checked; the checkpoints listed only if never listed
-        (RunView(), True, False, None, Reads(progress=True, listing=True)),
-        (LISTED, True, False, 61.0, Reads(progress=True, listing=False)),
+        (RunView(), True, False, (None, None), Reads(progress=True, listing=True)),
+        (LISTED, True, False, (61.0, 3000.0), Reads(progress=True, listing=False)),
         # a burst of events right after a read reuses it
-        (LISTED, True, False, 0.5, Reads(progress=False, listing=False)),
+        (LISTED, True, False, (0.5, 0.5), Reads(progress=False, listing=False)),
     ],
 )
-def test_storage_reads_follow_the_work(view, running, deciding, age, expected):
-    assert storage_reads(view, workers_running=running, deciding=deciding, age=age, check_seconds=60) == expected
+def test_storage_reads_follow_the_work(view, running, deciding, ages, expected):
+    progress_age, listing_age = ages
+    reads = storage_reads(
+        view,
+        workers_running=running,
+        deciding=deciding,
+        progress_age=progress_age,
+        listing_age=listing_age,
+        check_seconds=60,
+    )
+    assert reads == expected
 
 
 @pytest.mark.parametrize(

@@ -65,17 +65,28 @@ class Reads:
 
 
 def storage_reads(
-    view: checkpoints.RunView, *, workers_running: bool, deciding: bool, age: float | None, check_seconds: float
+    view: checkpoints.RunView,
+    *,
+    workers_running: bool,
+    deciding: bool,
+    progress_age: float | None,
+    listing_age: float | None,
+    check_seconds: float,
 ) -> Reads:
-    """Which GCS reads a reconcile makes. Nothing is read while no worker runs (a job waiting for
-    capacity or its queue writes nothing), except for a decision (a restart, a new attempt, a
-    resume), which reads everything. A running job's record is checked every `check_seconds` (at
-    most; events may bring the check forward); the checkpoints are listed only when the record says
-    a newer commit exists, or when the latest committed step was never listed."""
+    """Which GCS reads a reconcile makes (ages: seconds since the last read, None: never). Nothing is
+    read while no worker runs (a job waiting for capacity or its queue writes nothing), except for a
+    decision (a restart, a new attempt, a resume), which reads everything not read just now. A running
+    job's record is checked every `check_seconds` (the job's timer; events may bring it forward); the
+    checkpoints are listed only when the record says a newer commit exists (see
+    `newer_commit_reported`), or when the latest committed step was never listed."""
+    freshness = min(FRESH_SECONDS, check_seconds)
+
+    def fresh(age: float | None) -> bool:
+        return age is not None and age < freshness
+
     if deciding:
-        return Reads(progress=True, listing=True)
-    fresh = age is not None and age < min(FRESH_SECONDS, check_seconds)
-    progress = workers_running and not fresh
+        return Reads(progress=not fresh(progress_age), listing=not fresh(listing_age))
+    progress = workers_running and not fresh(progress_age)
     return Reads(progress=progress, listing=progress and not view.listed)
 
 
@@ -168,7 +179,7 @@ class Runtime:
         self.created: defaultdict[JobKey, dict[str, dict[str, Any]]] = defaultdict(dict)
         self.deleted: defaultdict[JobKey, set[str]] = defaultdict(set)
         self.runs: dict[JobKey, checkpoints.RunView] = {}  # the last GCS reads of each run directory
-        self.read_at: dict[JobKey, float] = {}  # when its progress was last read (monotonic)
+        self.read_at: dict[tuple[JobKey, str], float] = {}  # (job, "progress" | "listing") -> monotonic time
         self.lookups: dict[tuple[JobKey, str], Lookup] = {}
         self.policy = policy.Policy()  # what a job may ask for (the chart's `policy` values, as flags)
         self.default_queue: str | None = None  # Kueue LocalQueue for jobs without the queue label
@@ -206,17 +217,19 @@ class Runtime:
         """The job ended or was deleted: keep nothing of it."""
         self.watched.discard(key)
         self.schedule.cancel(key)
-        for memory in (self.ended_pods, self.written, self.created, self.deleted, self.runs, self.read_at):
-            memory.pop(key, None)  # type: ignore[attr-defined]
-        for lookup in [k for k in self.lookups if k[0] == key]:
-            del self.lookups[lookup]
+        for memory in (self.ended_pods, self.written, self.created, self.deleted, self.runs):
+            memory.pop(key, None)
+        for keyed in (self.lookups, self.read_at):
+            for entry in [k for k in keyed if k[0] == key]:
+                del keyed[entry]
         METRICS.forget(*key)
 
     def remembered(self, key: JobKey) -> int:
         """How many things the runtime holds for a job (0 once it ended or was deleted)."""
         held = int(key in self.watched) + len(self.ended_pods.get(key, {})) + int(key in self.schedule.due)
-        stores = (self.written, self.created, self.deleted, self.runs, self.read_at)
-        return held + sum(int(key in s) for s in stores) + sum(1 for k in self.lookups if k[0] == key)
+        stores = (self.written, self.created, self.deleted, self.runs)
+        keyed = sum(1 for k in [*self.lookups, *self.read_at] if k[0] == key)
+        return held + sum(int(key in s) for s in stores) + keyed
 
     def keep_only_attempt(self, key: JobKey, uid: str | None, attempt: int) -> None:
         """Drop remembered pods of earlier attempts and other incarnations: they decide nothing any more."""
@@ -300,7 +313,7 @@ class Runtime:
             self.forget(key)
             return None
         status, actions = reconcile(tj, self._observe(key, tj, snapshot, deciding=False))
-        if _changes_the_world(actions) and not self._read_everything_just_now(key):
+        if _changes_the_world(actions):
             # A decision reads storage afresh (the resume step, the steps lost) and is made again on it.
             status, actions = reconcile(tj, self._observe(key, tj, snapshot, deciding=True))
         self._apply(key, tj, body, status, actions)
@@ -322,27 +335,30 @@ class Runtime:
             delay = min(delay if delay is not None else self.progress_check_seconds, self.progress_check_seconds)
         return delay
 
-    def _read_everything_just_now(self, key: JobKey) -> bool:
-        view, read_at = self.runs.get(key), self.read_at.get(key)
-        return bool(view and view.listed and read_at is not None and time.monotonic() - read_at < FRESH_SECONDS)
-
     # -- observe -----------------------------------------------------------------------------------
 
-    def _read_storage(self, key: JobKey, tj: api.TrainingJob, workers_running: bool, deciding: bool) -> Any:
+    def _read_storage(
+        self, key: JobKey, tj: api.TrainingJob, workers_running: bool, deciding: bool
+    ) -> tuple[checkpoints.RunView, Reads]:
         view = self.runs.get(key, checkpoints.RunView())
-        read_at = self.read_at.get(key)
-        age = None if read_at is None else time.monotonic() - read_at
+        now = time.monotonic()
+        read_at, listed_at = self.read_at.get((key, "progress")), self.read_at.get((key, "listing"))
         reads = storage_reads(
-            view, workers_running=workers_running, deciding=deciding, age=age, check_seconds=self.progress_check_seconds
+            view,
+            workers_running=workers_running,
+            deciding=deciding,
+            progress_age=None if read_at is None else now - read_at,
+            listing_age=None if listed_at is None else now - listed_at,
+            check_seconds=self.progress_check_seconds,
         )
         if tj.spec.framework == maxtext.FRAMEWORK:  # MaxText's progress is read from the listing
             reads = Reads(progress=False, listing=reads.progress or reads.listing)
         try:
             if reads.progress:
-                self.read_at[key] = time.monotonic()
+                self.read_at[(key, "progress")] = time.monotonic()
                 view = checkpoints.refresh_progress(self.storage(), tj.run_dir, view)
             if reads.listing or (reads.progress and newer_commit_reported(view)):
-                self.read_at[key] = time.monotonic()
+                self.read_at[(key, "listing")] = time.monotonic()
                 view = checkpoints.refresh_latest(self.storage(), tj.run_dir, view)
         except checkpoints.StorageError as failure:
             view = replace(view, error=str(failure))
