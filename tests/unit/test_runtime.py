@@ -8,6 +8,7 @@ from tpujob_operator.checkpoints import RunView
 from tpujob_operator.facts import Progress
 from tpujob_operator.runtime import (
     Reads,
+    Runtime,
     merged_jobsets,
     newer_commit_reported,
     newest,
@@ -117,3 +118,28 @@ def _status(step, goodput_at):
 )
 def test_status_that_changed_only_by_the_goodput_clock_is_written_at_most_once_a_minute(stored, decided, acting, write):
     assert status_worth_writing(stored, decided, acting) is write
+
+
+def test_a_snapshot_joins_the_caches_with_our_own_writes_and_each_queued_jobset_with_its_newest_workload():
+    key = ("ml", "llama")
+    queued = {"metadata": {"name": "llama-a1", "uid": "js-1", "labels": {"kueue.x-k8s.io/queue-name": "q"}}}
+    old_workload = {"metadata": {"name": "w0", "creationTimestamp": "2026-11-30T12:00:00Z"}}
+    new_workload = {"metadata": {"name": "w1", "creationTimestamp": "2026-11-30T12:05:00Z"}}
+    runtime = Runtime()
+    runtime.indexes = {
+        "trainingjobs": {key: [{"metadata": {"name": "llama", "resourceVersion": "7"}}]},
+        "jobsets": {key: [{"metadata": {"name": "llama-a0"}}, queued]},
+        "pods": {key: [{"metadata": {"name": "llama-a1-slice-0-0"}, "status": {"phase": "Pending"}}]},
+        "workloads": {"js-1": [old_workload, new_workload]},
+    }
+    runtime.written[key] = {"metadata": {"name": "llama", "resourceVersion": "9"}}  # our status write
+    runtime.deleted[key] = {"llama-a0", "llama-a-gone"}
+    runtime.ended_pods[key]["llama-a0-slice-0-0"] = {"metadata": {"name": "llama-a0-slice-0-0"}}
+    snapshot = runtime.snapshot(key)
+    assert snapshot is not None and snapshot.body["metadata"]["resourceVersion"] == "9"
+    assert [js["metadata"]["name"] for js in snapshot.jobsets] == ["llama-a1"]
+    assert runtime.deleted[key] == {"llama-a0"}  # gone from the cache: no longer hidden
+    assert sorted(p["metadata"]["name"] for p in snapshot.pods) == ["llama-a0-slice-0-0", "llama-a1-slice-0-0"]
+    assert snapshot.workloads == {"js-1": new_workload}
+    runtime.forget(key)
+    assert runtime.remembered(key) == 0 and runtime.snapshot(("ml", "other")) is None

@@ -52,6 +52,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="how often a training job's progress record is checked without other news (default 60; one GCS "
         "read when it is unchanged)",
     )
+    parser.add_argument(
+        "--watch-kueue-workloads",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help="keep Kueue's Workloads in a watch-fed index (needs get/list/watch on workloads; the chart's "
+        "kueue.enabled); without it a queued job's Workload is listed at most every 30 s",
+    )
     policy.add_arguments(parser)
     args = parser.parse_args(argv)
     try:
@@ -81,6 +88,8 @@ async def run(args: argparse.Namespace) -> None:
     handlers.RUNTIME.default_queue = args.default_queue_name
     handlers.RUNTIME.schedule.limit = args.max_concurrent_reconciles
     handlers.RUNTIME.progress_check_seconds = args.progress_check_seconds
+    if args.watch_kueue_workloads:
+        handlers.watch_kueue_workloads()
     log.info("policy: %s", args.policy)
     if args.leader_elect:
         load_config()  # the client's LeaseLock uses the default API client

@@ -16,8 +16,9 @@ import kopf
 
 from . import api
 from .jobset import JOBSET_GROUP, JOBSET_PLURAL, JOBSET_VERSION, LABEL_ATTEMPT, LABEL_NAME
+from .kube import KUEUE_GROUP, KUEUE_JOB_UID_LABEL, KUEUE_VERSION
 from .reconcile import TERMINAL_PHASES
-from .runtime import Runtime, slim_jobset, slim_pod
+from .runtime import Runtime, slim_jobset, slim_pod, slim_workload
 
 log = logging.getLogger("tpujob")
 JobKey = tuple[str, str]
@@ -70,14 +71,26 @@ async def tpujob_pods(namespace: str | None, labels: kopf.Labels, body: kopf.Bod
     return {(namespace or "", labels[LABEL_NAME]): slim_pod(body)}
 
 
+async def tpujob_workloads(labels: kopf.Labels, body: kopf.Body, **_: Any) -> dict[str, Any]:
+    return {labels[KUEUE_JOB_UID_LABEL]: slim_workload(body)}
+
+
+def watch_kueue_workloads() -> None:
+    """Keep Kueue's Workloads (by the uid of their JobSet) in an index too. Only where the operator may
+    watch them (the chart's kueue.enabled): kopf holds every handler until each index has its initial
+    listing, so a forbidden watch would stop the operator. Without it, a queued job's Workload is
+    LISTed (at most every 30 s while it waits)."""
+    labels = {KUEUE_JOB_UID_LABEL: kopf.PRESENT}
+    kopf.index(KUEUE_GROUP, KUEUE_VERSION, "workloads", labels=labels, id="tpujob_workloads")(tpujob_workloads)
+
+
 def _attach(indexes: dict[str, Any]) -> None:
     """Hand kopf's index objects (passed to every handler) to the runtime, once."""
     if not RUNTIME.indexes:
-        RUNTIME.indexes = {
-            "trainingjobs": indexes["tpujob_trainingjobs"],
-            "jobsets": indexes["tpujob_jobsets"],
-            "pods": indexes["tpujob_pods"],
-        }
+        names = {"tpujob_trainingjobs": "trainingjobs", "tpujob_jobsets": "jobsets", "tpujob_pods": "pods"}
+        RUNTIME.indexes = {ours: indexes[kopfs] for kopfs, ours in names.items()}
+        if "tpujob_workloads" in indexes:
+            RUNTIME.indexes["workloads"] = indexes["tpujob_workloads"]
 
 
 # -- triggers ------------------------------------------------------------------------------------------

@@ -145,6 +145,15 @@ def slim_jobset(body: Mapping[str, Any]) -> dict[str, Any]:
     }
 
 
+def slim_workload(body: Mapping[str, Any]) -> dict[str, Any]:
+    """What the operator reads of a Kueue Workload: its creation time and conditions."""
+    meta = body.get("metadata") or {}
+    return {
+        "metadata": {k: meta[k] for k in ("name", "namespace", "creationTimestamp") if k in meta},
+        "status": {"conditions": list((body.get("status") or {}).get("conditions") or [])},
+    }
+
+
 @dataclass
 class Snapshot:
     """A job's objects as the caches showed them when its reconcile started (copied on the event loop)."""
@@ -152,6 +161,8 @@ class Snapshot:
     body: dict[str, Any]
     jobsets: list[dict[str, Any]]
     pods: list[dict[str, Any]]
+    # Kueue's newest Workload per queued JobSet uid (None: no index; the Workload is then LISTed)
+    workloads: dict[str, dict[str, Any] | None] | None = None
 
 
 @dataclass
@@ -265,7 +276,13 @@ class Runtime:
         jobsets = merged_jobsets(cached_jobsets, created, deleted)
         live = {p["metadata"]["name"]: p for p in self.indexes.get("pods", {}).get(key, ())}
         pods = list({**self.ended_pods.get(key, {}), **live}.values())
-        return Snapshot(dict(body), jobsets, pods)
+        workloads = None
+        if "workloads" in self.indexes:
+            queued = [
+                js["metadata"].get("uid") for js in jobsets if api.QUEUE_LABEL in (js["metadata"].get("labels") or {})
+            ]
+            workloads = {uid: _newest_workload(self.indexes["workloads"].get(uid, ())) for uid in queued if uid}
+        return Snapshot(dict(body), jobsets, pods, workloads)
 
     async def reconcile(self, key: JobKey) -> float | None:
         """Reconcile one job (in a worker thread); the delay of its next check, None if none is due."""
@@ -393,8 +410,11 @@ class Runtime:
             admission: tuple[datetime | None, str | None] = (None, None)
             if current and labels.get(api.QUEUE_LABEL):
                 js_uid = js["metadata"].get("uid")
-                question = f"workload:{js_uid}:{spec.get('suspend')}"  # asked afresh when the suspension flips
-                workload = self._slowly(key, question, self.cluster().workload_of, key[0], js_uid)
+                if snapshot.workloads is not None:
+                    workload = snapshot.workloads.get(js_uid)
+                else:
+                    question = f"workload:{js_uid}:{spec.get('suspend')}"  # asked afresh when the suspension flips
+                    workload = self._slowly(key, question, self.cluster().workload_of, key[0], js_uid)
                 admission = workload_admission(workload) if workload else (None, None)
             facts.append(jobset_facts(js, attempt_pods if current else [], refused, admission))
         maxtext_news = reads.listing or deciding or view.progress is None
@@ -495,6 +515,10 @@ class Runtime:
         for js in jobsets:
             if incarnation_uid(js) == tj.metadata.get("uid") and not js["metadata"].get("deletionTimestamp"):
                 kube.delete_jobset(tj.namespace, js["metadata"]["name"])
+
+
+def _newest_workload(workloads: Iterable[dict[str, Any]]) -> dict[str, Any] | None:
+    return max(workloads, key=lambda w: str(w["metadata"].get("creationTimestamp", "")), default=None)
 
 
 def _age(jobset: dict[str, Any]) -> float:
