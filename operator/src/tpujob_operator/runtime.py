@@ -486,35 +486,34 @@ class Runtime:
         for event in actions.events:
             kube.post_event(body, event.type, event.reason, event.message)
 
+    def _fail(
+        self, key: JobKey, body: dict[str, Any], status: api.TrainingJobStatus, reason: str, message: str
+    ) -> None:
+        """End the job Failed for `reason`, with an Event saying why."""
+        self._write_status(key, body, _dump(with_phase(status, "Failed", reason, message, datetime.now(UTC))))
+        self.cluster().post_event(body, "Warning", reason, message)
+
     def _report_invalid(self, key: JobKey, body: dict[str, Any], error: ValidationError) -> None:
         """A spec that slipped past the CRD's validation (e.g. an older CRD): report it, never crash."""
         message = "; ".join(f"spec.{'.'.join(str(p) for p in e['loc'])}: {e['msg']}" for e in error.errors())
         current = api.TrainingJobStatus.model_validate(body.get("status") or {})
-        if current.phase == "Failed":
-            return
-        status = with_phase(current, "Failed", "InvalidSpec", message, datetime.now(UTC))
-        self._write_status(key, body, _dump(status))
-        self.cluster().post_event(body, "Warning", "InvalidSpec", message)
+        if current.phase != "Failed":
+            self._fail(key, body, current, "InvalidSpec", message)
 
     def _refuse_for_policy(
         self, key: JobKey, body: dict[str, Any], tj: api.TrainingJob, problems: list[str], jobsets: list[dict[str, Any]]
     ) -> None:
         """A job that breaks the multi-tenant policy: Failed, an Event, its JobSets (if a spec change
         made it violate) deleted; nothing is created for it and its checkpoint directory is never read."""
-        kube = self.cluster()
-        message = "; ".join(problems)
-        now = datetime.now(UTC)
-        status = with_phase(tj.status, "Failed", policy.REASON, message, now)
         update = {
             "stage": "Finished",
-            "stage_start_time": rfc3339(now),
+            "stage_start_time": rfc3339(datetime.now(UTC)),
             "observed_generation": tj.metadata.get("generation"),
         }
-        self._write_status(key, body, _dump(status.model_copy(update=update)))
-        kube.post_event(body, "Warning", policy.REASON, message)
+        self._fail(key, body, tj.status.model_copy(update=update), policy.REASON, "; ".join(problems))
         for js in jobsets:
             if incarnation_uid(js) == tj.metadata.get("uid") and not js["metadata"].get("deletionTimestamp"):
-                kube.delete_jobset(tj.namespace, js["metadata"]["name"])
+                self.cluster().delete_jobset(tj.namespace, js["metadata"]["name"])
 
 
 def _newest_workload(workloads: Iterable[dict[str, Any]]) -> dict[str, Any] | None:
