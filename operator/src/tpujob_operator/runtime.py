@@ -329,11 +329,13 @@ class Runtime:
             self._refuse_for_policy(key, body, tj, problems, snapshot.jobsets)
             self.forget(key)
             return None
-        status, actions = reconcile(tj, self._observe(key, tj, snapshot, deciding=False))
+        observed = self._observe(key, tj, snapshot, deciding=False)
+        status, actions = reconcile(tj, observed)
         if _changes_the_world(actions):
             # A decision reads storage afresh (the resume step, the steps lost) and is made again on it.
-            status, actions = reconcile(tj, self._observe(key, tj, snapshot, deciding=True))
-        self._apply(key, tj, body, status, actions)
+            observed = self._observe(key, tj, snapshot, deciding=True)
+            status, actions = reconcile(tj, observed)
+        self._apply(key, tj, body, status, actions, observed.queue_name)
         if status.phase != tj.status.phase:
             log.info(
                 "%s/%s: %s -> %s (attempt %d, step %s)", *key, tj.status.phase, status.phase, status.attempt,
@@ -450,7 +452,13 @@ class Runtime:
         return written
 
     def _apply(
-        self, key: JobKey, tj: api.TrainingJob, body: dict[str, Any], status: api.TrainingJobStatus, actions: Actions
+        self,
+        key: JobKey,
+        tj: api.TrainingJob,
+        body: dict[str, Any],
+        status: api.TrainingJobStatus,
+        actions: Actions,
+        queue: str | None,
     ) -> None:
         kube = self.cluster()
         # Status first, on the version the decision was made from: if anyone changed the job since, the
@@ -466,7 +474,6 @@ class Runtime:
             kube.delete_jobset(tj.namespace, name, save=True)
             self.deleted[key].add(name)
         if actions.create_attempt is not None:
-            queue = queue_name(tj, self.default_queue)
             manifest = build_jobset(tj, actions.create_attempt, actions.resume_step, queue)
             try:
                 created = kube.create_jobset(tj.namespace, manifest)
