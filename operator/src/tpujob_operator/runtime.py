@@ -331,8 +331,9 @@ class Runtime:
             return None
         observed = self._observe(key, tj, snapshot, deciding=False)
         status, actions = reconcile(tj, observed)
-        if _changes_the_world(actions):
-            # A decision reads storage afresh (the resume step, the steps lost) and is made again on it.
+        if _changes_the_world(actions) or status.phase in TERMINAL_PHASES:
+            # A decision reads storage afresh (the resume step, the steps lost, the final step) and is
+            # made again on it.
             observed = self._observe(key, tj, snapshot, deciding=True)
             status, actions = reconcile(tj, observed)
         self._apply(key, tj, body, status, actions, observed.queue_name)
