@@ -542,10 +542,12 @@ class Bench:
                 unknown += 1
                 continue
             behind.append(max(0, int(record["step"]) - int(status["step"])) / max(1, int(record["steps_per_second"])))
+        histogram = Counter(int(b // 10 * 10) for b in behind)
         return {
             "measure": "trainer's latest progress record step - status.step, in seconds (1 step/s), Running jobs",
             **quantiles(behind),
             "unknown": unknown,
+            "histogram_10s": {f"{k}-{k + 10}": n for k, n in sorted(histogram.items())},
         }
 
     def running_worker(self, name: str) -> tuple[str, int] | None:
