@@ -69,7 +69,7 @@ from kubernetes import client, config, watch
 from kubernetes.client.exceptions import ApiException
 from tpujob_devcluster.cluster import BUCKET, DevCluster, Pool
 from tpujob_devcluster.controlplane import REPO_ROOT, free_port, tools_dir
-from tpujob_devcluster.harness import OPERATOR_NAMESPACE, pod_pids, signal_pod
+from tpujob_devcluster.harness import OPERATOR_NAMESPACE, ensure_namespace, git, pod_pids, signal_pod, worktree
 
 GROUP, VERSION, PLURAL = "tpujob.dev", "v1alpha1", "trainingjobs"
 NAMESPACE = "scale"
@@ -93,10 +93,6 @@ CLK_TCK = os.sysconf("SC_CLK_TCK")
 
 def log(message: str) -> None:
     print(f"[{time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
-
-
-def _git(*args: str) -> str:
-    return subprocess.run(["git", *args], cwd=REPO_ROOT, check=True, capture_output=True, text=True).stdout.strip()
 
 
 def quantiles(values: list[float]) -> dict[str, float | int | None]:
@@ -369,23 +365,7 @@ class Bench:
             time.sleep(interval)
 
     def ensure_namespace(self) -> None:
-        try:
-            self.core.create_namespace(client.V1Namespace(metadata=client.V1ObjectMeta(name=NAMESPACE)))
-        except ApiException as error:
-            if error.status != 409:
-                raise
-
-        def account() -> bool:
-            try:
-                self.core.read_namespaced_service_account("default", NAMESPACE)
-            except ApiException as error:
-                if error.status == 404:
-                    return False
-                raise
-            return True
-
-        if not self.wait(account, 60.0, 0.2):
-            raise TimeoutError(f"namespace {NAMESPACE} has no default ServiceAccount after 60 s")
+        ensure_namespace(self.core, NAMESPACE)
 
     def operator_pids(self) -> list[int]:
         pods: Any = self.core.list_namespaced_pod(
@@ -618,17 +598,11 @@ def helm_install(kubeconfig: Path, chart: Path, gcs_endpoint: str, pythonpath: s
 def operator_source(rev: str | None, parent: Path) -> Iterator[tuple[str, Path | None]]:
     """(commit, checkout): REV in a detached git worktree (removed on the way out), or the working tree."""
     if rev is None:
-        dirty = " (working tree, with uncommitted changes)" if _git("status", "--porcelain", "--", *SOURCES) else ""
-        yield _git("rev-parse", "HEAD") + dirty, None
+        dirty = " (working tree, with uncommitted changes)" if git("status", "--porcelain", "--", *SOURCES) else ""
+        yield git("rev-parse", "HEAD") + dirty, None
         return
-    commit = _git("rev-parse", "--verify", f"{rev}^{{commit}}")
-    path = parent / f"tpujob-{commit[:12]}"
-    _git("worktree", "add", "--detach", str(path), commit)
-    try:
-        yield commit, path
-    finally:
-        subprocess.run(["git", "worktree", "remove", "--force", str(path)], cwd=REPO_ROOT, check=False)
-        subprocess.run(["git", "worktree", "prune"], cwd=REPO_ROOT, check=False)
+    with worktree(rev, parent) as checkout:
+        yield checkout
 
 
 TARGETS = {"operator_rss_mb": 250, "reaction_p99_s": 2.0, "periodic_list_calls": 0, "gcs_ops_per_idle_job_hour": 60}
@@ -739,7 +713,7 @@ def main() -> None:
         f"(progress every {args.progress_seconds} s, a committed step every {args.commit_seconds} s), "
         "one kwok node pool per job",
         "command": " ".join(["bench/operator_scale.py", *sys.argv[1:]]),
-        "git_rev": _git("rev-parse", "HEAD"),
+        "git_rev": git("rev-parse", "HEAD"),
         "operator": {"rev": args.operator_rev or "working tree", "commit": commit},
         "machine": {"cpus": os.cpu_count(), "load_average_end": [round(x, 2) for x in os.getloadavg()]},
         "cluster_start_seconds": cluster_seconds,

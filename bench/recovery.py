@@ -61,10 +61,16 @@ import numpy as np
 from google.auth.credentials import AnonymousCredentials
 from google.cloud import storage
 from kubernetes import client, config, watch
-from kubernetes.client.exceptions import ApiException
 from tpujob_devcluster.cluster import BUCKET, DevCluster
 from tpujob_devcluster.controlplane import REPO_ROOT, free_port, tools_dir
-from tpujob_devcluster.harness import OPERATOR_NAMESPACE, helm_install_operator, signal_pod
+from tpujob_devcluster.harness import (
+    OPERATOR_NAMESPACE,
+    ensure_namespace,
+    git,
+    helm_install_operator,
+    signal_pod,
+    worktree,
+)
 from tpujob_operator import api, checkpoints
 
 NAMESPACE = "default"
@@ -121,23 +127,6 @@ def plan(sides: list[Side], rounds: int) -> list[tuple[int, str, Side]]:
         for policy in POLICIES:
             order += [(r, policy, side) for side in turned]
     return order
-
-
-def _git(*args: str) -> str:
-    return subprocess.run(["git", *args], cwd=REPO_ROOT, check=True, capture_output=True, text=True).stdout.strip()
-
-
-@contextmanager
-def worktree(rev: str, parent: Path) -> Iterator[tuple[str, Path]]:
-    """REV checked out (detached) under parent, removed again (and forgotten by git) on the way out."""
-    commit = _git("rev-parse", "--verify", f"{rev}^{{commit}}")
-    path = parent / f"tpujob-{commit[:12]}"
-    _git("worktree", "add", "--detach", str(path), commit)
-    try:
-        yield commit, path
-    finally:
-        subprocess.run(["git", "worktree", "remove", "--force", str(path)], cwd=REPO_ROOT, check=False)
-        subprocess.run(["git", "worktree", "prune"], cwd=REPO_ROOT, check=False)
 
 
 def _manifest(name: str, policy: str, steps: int, failures: int, side: Side) -> dict[str, Any]:
@@ -318,23 +307,7 @@ class Bench:
         raise TimeoutError(f"benchmark step timed out after {timeout}s")
 
     def ensure_namespace(self, namespace: str) -> None:
-        """The namespace and its default ServiceAccount (pods are refused until it exists)."""
-        try:
-            self.core.create_namespace(client.V1Namespace(metadata=client.V1ObjectMeta(name=namespace)))
-        except ApiException as error:
-            if error.status != 409:
-                raise
-
-        def account() -> bool:
-            try:
-                self.core.read_namespaced_service_account("default", namespace)
-            except ApiException as error:
-                if error.status == 404:
-                    return False
-                raise
-            return True
-
-        self.wait(account, timeout=60.0)
+        ensure_namespace(self.core, namespace)
 
     def pods(self, name: str, namespace: str, attempt: int | None = None) -> list[Any]:
         selector = f"{LABEL_NAME}={name}" + (f",{LABEL_ATTEMPT}={attempt}" if attempt is not None else "")
@@ -588,7 +561,7 @@ def main() -> None:
                 "namespace": s.namespace,
                 "compile_cache": s.compile_cache,
                 "rev": s.rev,
-                "commit": s.commit or f"{_git('rev-parse', 'HEAD')} (working tree)",
+                "commit": s.commit or f"{git('rev-parse', 'HEAD')} (working tree)",
             }
             for s in sides
         },

@@ -1,12 +1,20 @@
-"""Shared by the demo, the e2e tests and the recovery benchmark: install the operator with its Helm
-chart, and reach the local processes behind a pod (to inject failures the way a dying host would)."""
+"""Shared by the demo, the e2e tests and the benchmarks: install the operator with its Helm chart, make
+a namespace pods can run in, and reach the local processes behind a pod (to inject failures the way a
+dying host would)."""
 
 from __future__ import annotations
 
 import os
 import signal
 import subprocess
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
+
+from kubernetes import client
+from kubernetes.client.exceptions import ApiException
 
 from .controlplane import REPO_ROOT, free_port, tools_dir
 
@@ -48,3 +56,42 @@ def _pgid(pid: int) -> int | None:
         return os.getpgid(pid)
     except ProcessLookupError:
         return None
+
+
+def ensure_namespace(core: Any, namespace: str, timeout: float = 60.0) -> None:
+    """The namespace and its default ServiceAccount (pods are refused until the latter exists)."""
+    try:
+        core.create_namespace(client.V1Namespace(metadata=client.V1ObjectMeta(name=namespace)))
+    except ApiException as error:
+        if error.status != 409:
+            raise
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            core.read_namespaced_service_account("default", namespace)
+            return
+        except ApiException as error:
+            if error.status != 404:
+                raise
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"namespace {namespace} has no default ServiceAccount after {timeout:.0f} s")
+        time.sleep(0.2)
+
+
+def git(*args: str) -> str:
+    """A git command in the repository; its stdout."""
+    return subprocess.run(["git", *args], cwd=REPO_ROOT, check=True, capture_output=True, text=True).stdout.strip()
+
+
+@contextmanager
+def worktree(rev: str, parent: Path) -> Iterator[tuple[str, Path]]:
+    """REV checked out (detached) under parent, removed again (and forgotten by git) on the way out:
+    a benchmark's baseline revision, next to the working tree."""
+    commit = git("rev-parse", "--verify", f"{rev}^{{commit}}")
+    path = parent / f"tpujob-{commit[:12]}"
+    git("worktree", "add", "--detach", str(path), commit)
+    try:
+        yield commit, path
+    finally:
+        subprocess.run(["git", "worktree", "remove", "--force", str(path)], cwd=REPO_ROOT, check=False)
+        subprocess.run(["git", "worktree", "prune"], cwd=REPO_ROOT, check=False)
