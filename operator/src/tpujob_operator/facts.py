@@ -115,7 +115,7 @@ class Event:
 
 @dataclass
 class Actions:
-    """Side effects the handler performs, in this order: status, delete, create, suspend."""
+    """Side effects the runtime performs, in this order: status, events, delete, stop, create, suspend."""
 
     create_attempt: int | None = None
     resume_step: int | None = None

@@ -468,6 +468,11 @@ class Runtime:
         if status_worth_writing(body.get("status") or {}, _dump(status), _is_acting(actions)):
             body = self._write_status(key, body, _dump(status))
         METRICS.observe_reconcile(tj.namespace, tj.name, tj.status, status, datetime.now(UTC))
+        # Events next, before the changes they announce: an operator that dies after the status write
+        # leaves those changes undone, and the next reconcile (or replica) decides them again, Events
+        # included; after them, nothing would post the Events again.
+        for event in actions.events:
+            self._post_event(body, event.type, event.reason, event.message)
         for name in actions.delete:
             kube.delete_jobset(tj.namespace, name)
             self.deleted[key].add(name)
@@ -488,18 +493,30 @@ class Runtime:
                 message = _refusal_message(error)
                 refused = with_creation_refused(status, message, error.status in _PERMANENT_REFUSALS, datetime.now(UTC))
                 self._write_status(key, body, _dump(refused))
-                kube.post_event(body, "Warning", "JobSetRefused", message)
+                self._post_event(body, "Warning", "JobSetRefused", message)
         if actions.set_suspend is not None:
             kube.set_jobset_suspend(tj.namespace, *actions.set_suspend)
-        for event in actions.events:
-            kube.post_event(body, event.type, event.reason, event.message)
+
+    def _post_event(self, body: dict[str, Any], type_: str, reason: str, message: str) -> None:
+        """Events are told, never required: one that cannot be posted (a namespace being deleted, an
+        overloaded apiserver) is logged and the reconcile goes on."""
+        try:
+            self.cluster().post_event(body, type_, reason, message)
+        except ApiException as error:
+            log.warning(
+                "%s/%s: Event %s not posted: %s",
+                body["metadata"].get("namespace"),
+                body["metadata"]["name"],
+                reason,
+                error.reason,
+            )
 
     def _fail(
         self, key: JobKey, body: dict[str, Any], status: api.TrainingJobStatus, reason: str, message: str
     ) -> None:
         """End the job Failed for `reason`, with an Event saying why."""
         self._write_status(key, body, _dump(with_phase(status, "Failed", reason, message, datetime.now(UTC))))
-        self.cluster().post_event(body, "Warning", reason, message)
+        self._post_event(body, "Warning", reason, message)
 
     def _report_invalid(self, key: JobKey, body: dict[str, Any], error: ValidationError) -> None:
         """A spec that slipped past the CRD's validation (e.g. an older CRD): report it, never crash."""
