@@ -49,6 +49,7 @@ if [ "$restored" != null ]; then
   last_committed=$restored
 fi
 
+parent=$PPID # the pod runner: a stub whose runner is gone (killed with its devcluster) stops too
 sleeper=""
 trap '[ -n "$sleeper" ] && kill "$sleeper" 2>/dev/null; exit 143' TERM
 
@@ -96,6 +97,7 @@ progress "$start_step" running
 next_progress=$((t0 + $(jitter "$progress_s")))
 next_commit=$((t0 + $(jitter "$commit_s")))
 while :; do
+  kill -0 "$parent" 2>/dev/null || exit 0
   t=$(date +%s)
   step=$((start_step + (t - t0) * rate))
   if [ "$total" -gt 0 ] && [ "$step" -ge "$total" ]; then

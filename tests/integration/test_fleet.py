@@ -102,3 +102,22 @@ def test_training_jobs_cost_the_apiserver_no_periodic_list_or_get(
         bucket, f"runs/{cluster.namespace}/{names[0]}", cluster.training_job(names[0])["metadata"]["uid"], step=20
     )
     eventually(lambda: cluster.status(names[0]).get("step") == 20, timeout=30, what="step 20 in status")
+
+
+def test_the_progress_record_is_parsed_again_only_when_its_generation_changed(fake_gcs_server, unique_name):
+    client = checkpoints.make_client()
+    bucket = client.bucket(TEST_BUCKET)
+    run_dir = f"gs://{TEST_BUCKET}/runs/fleet/{unique_name}"
+    view = checkpoints.refresh_progress(client, run_dir, checkpoints.RunView())
+    assert view.progress is None and view.error is None  # no record yet
+    _write_progress(bucket, f"runs/fleet/{unique_name}", "uid-1", step=10)
+    first = checkpoints.refresh_progress(client, run_dir, view)
+    written = bucket.get_blob(f"runs/fleet/{unique_name}/{checkpoints.PROGRESS_FILE}")
+    assert first.progress is not None and first.progress.step == 10
+    assert first.progress_generation == written.generation  # the generation GCS reports for it
+    again = checkpoints.refresh_progress(client, run_dir, first)
+    assert again.progress is first.progress  # the same generation: not parsed again
+    _write_progress(bucket, f"runs/fleet/{unique_name}", "uid-1", step=20)
+    changed = checkpoints.refresh_progress(client, run_dir, again)
+    assert changed.progress is not None and changed.progress.step == 20
+    assert changed.progress_generation != first.progress_generation

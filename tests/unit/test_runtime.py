@@ -4,13 +4,12 @@ combine, which status is worth a write."""
 from datetime import UTC, datetime
 
 import pytest
-from tpujob_operator.checkpoints import RunView
+from tpujob_operator.checkpoints import RunView, with_reported_commit
 from tpujob_operator.facts import Progress
 from tpujob_operator.runtime import (
     Reads,
     Runtime,
     merged_jobsets,
-    newer_commit_reported,
     newest,
     slim_jobset,
     slim_pod,
@@ -53,12 +52,13 @@ def test_storage_reads_follow_the_work(view, running, deciding, ages, expected):
 
 
 @pytest.mark.parametrize(
-    ("reported", "listed", "newer"),
-    [(None, 100, False), (100, 100, False), (90, 100, False), (120, 100, True), (5, None, True)],
+    ("reported", "listed", "latest"),
+    [(None, 100, 100), (100, 100, 100), (90, 100, 100), (120, 100, 120), (5, None, 5)],
 )
-def test_the_checkpoints_are_listed_again_only_when_the_record_reports_a_newer_commit(reported, listed, newer):
+def test_a_newer_commit_the_trainer_reports_is_the_latest_without_a_listing(reported, listed, latest):
     progress = Progress(step=130, attempt=0, updated_at=T0, last_committed_step=reported)
-    assert newer_commit_reported(RunView(latest_committed_step=listed, listed=True, progress=progress)) is newer
+    view = with_reported_commit(RunView(latest_committed_step=listed, listed=True, progress=progress))
+    assert view.latest_committed_step == latest
 
 
 def _js(name, rv="1"):

@@ -136,30 +136,35 @@ class RunView:
 
 
 def refresh_progress(client: storage.Client, run_dir: str, view: RunView) -> RunView:
-    """Re-read the progress record only if it changed: one metadata read (its generation), plus the
-    download when the generation is new. Raises StorageError."""
+    """Re-read the progress record if it changed: one conditional download (ifGenerationNotMatch: GCS
+    answers 304 with no body when the generation is the one already parsed). Raises StorageError."""
     bucket_name, prefix = split_gs_path(run_dir)
-    name = f"{prefix}/{PROGRESS_FILE}" if prefix else PROGRESS_FILE
-    bucket = client.bucket(bucket_name)
+    blob = client.bucket(bucket_name).blob(f"{prefix}/{PROGRESS_FILE}" if prefix else PROGRESS_FILE)
+    known = view.progress_generation
     try:
-        blob = bucket.get_blob(name, timeout=_TIMEOUT_SECONDS, retry=_RETRY)
-        if blob is None:
-            return replace(view, progress=None, progress_generation=None, error=None)
-        if blob.generation is not None and blob.generation == view.progress_generation:
-            return replace(view, error=None)
-        try:
-            raw = blob.download_as_bytes(timeout=_TIMEOUT_SECONDS, retry=_RETRY)  # that generation
-            generation = blob.generation
-        except gcs_errors.NotFound:  # rewritten since the metadata read: take the newest, generation unknown
-            raw = bucket.blob(name).download_as_bytes(timeout=_TIMEOUT_SECONDS, retry=_RETRY)
-            generation = None
-        return replace(view, progress=parse_progress(raw), progress_generation=generation, error=None)
+        raw = blob.download_as_bytes(if_generation_not_match=known, timeout=_TIMEOUT_SECONDS, retry=_RETRY)
+    except gcs_errors.NotModified:
+        return replace(view, error=None)
     except gcs_errors.NotFound:
         return replace(view, progress=None, progress_generation=None, error=None)
     except _STORAGE_FAILURES as error:
         raise StorageError(f"reading {run_dir}/{PROGRESS_FILE} failed: {error}") from error
+    if known is not None and blob.generation == known:  # a server that ignores the condition
+        return replace(view, error=None)
+    try:
+        return replace(view, progress=parse_progress(raw), progress_generation=blob.generation, error=None)
     except (ValueError, KeyError) as error:
         raise StorageError(f"{run_dir}/{PROGRESS_FILE} is malformed: {error}") from error
+
+
+def with_reported_commit(view: RunView) -> RunView:
+    """The trainer reports a step in `last_committed_step` only once it saw the step's commit marker:
+    a newer one than the view's is taken as the latest committed step without listing the checkpoints
+    (decisions still list them)."""
+    reported = view.progress.last_committed_step if view.progress is not None else None
+    if reported is None or (view.latest_committed_step is not None and reported <= view.latest_committed_step):
+        return view
+    return replace(view, latest_committed_step=reported)
 
 
 def refresh_latest(client: storage.Client, run_dir: str, view: RunView) -> RunView:

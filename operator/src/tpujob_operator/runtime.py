@@ -77,8 +77,8 @@ def storage_reads(
     read while no worker runs (a job waiting for capacity or its queue writes nothing), except for a
     decision (a restart, a new attempt, a resume), which reads everything not read just now. A running
     job's record is checked every `check_seconds` (the job's timer; events may bring it forward); the
-    checkpoints are listed only when the record says a newer commit exists (see
-    `newer_commit_reported`), or when the latest committed step was never listed."""
+    checkpoints are listed only when never listed: between decisions the record tells of new commits
+    (`checkpoints.with_reported_commit`)."""
     freshness = min(FRESH_SECONDS, check_seconds)
 
     def fresh(age: float | None) -> bool:
@@ -88,12 +88,6 @@ def storage_reads(
         return Reads(progress=not fresh(progress_age), listing=not fresh(listing_age))
     progress = workers_running and not fresh(progress_age)
     return Reads(progress=progress, listing=progress and not view.listed)
-
-
-def newer_commit_reported(view: checkpoints.RunView) -> bool:
-    reported = view.progress.last_committed_step if view.progress is not None else None
-    current = view.latest_committed_step
-    return reported is not None and (current is None or reported > current)
 
 
 def merged_jobsets(
@@ -377,9 +371,10 @@ class Runtime:
             if reads.progress:
                 self.read_at[(key, "progress")] = time.monotonic()
                 view = checkpoints.refresh_progress(self.storage(), tj.run_dir, view)
-            if reads.listing or (reads.progress and newer_commit_reported(view)):
+            if reads.listing:
                 self.read_at[(key, "listing")] = time.monotonic()
                 view = checkpoints.refresh_latest(self.storage(), tj.run_dir, view)
+            view = checkpoints.with_reported_commit(view)
         except checkpoints.StorageError as failure:
             view = replace(view, error=str(failure))
         self.runs[key] = view
