@@ -66,6 +66,15 @@ def test_failure_restarts_from_latest_committed_with_lost_steps_recorded():
     assert [e.reason for e in actions.events] == ["FailureDetected", "Restarting"]
 
 
+def test_without_backoff_the_failure_decision_creates_the_next_attempt_itself():
+    tj = training_job(restart={"backoffSeconds": 0}, status={"phase": "Running", "attempt": 0, "step": 130})
+    failed = _active(state="Failed", pods=(PodFacts("w", 1, "Failed", exit_code=1, finished_at=T0),))
+    status, actions = reconcile(tj, Observed(now=T0, jobsets=(failed,), latest_committed_step=100))
+    assert (actions.delete, actions.create_attempt, actions.resume_step) == (["llama-a0"], 1, 100)
+    assert (status.phase, status.attempt, status.restarts, status.next_restart_time) == ("Restarting", 1, 1, None)
+    assert [e.reason for e in actions.events] == ["FailureDetected", "Restarting", "Restored"]
+
+
 def test_after_backoff_the_next_attempt_is_created_pinned_to_the_committed_step():
     tj = training_job(status={"phase": "Restarting", "attempt": 1, "restarts": 1, "nextRestartTime": rfc3339(T0)})
     _, early_actions = reconcile(tj, Observed(now=T0 - timedelta(seconds=3), latest_committed_step=100))

@@ -115,7 +115,8 @@ class Event:
 
 @dataclass
 class Actions:
-    """Side effects the runtime performs, in this order: status, events, delete, stop, create, suspend."""
+    """Side effects the runtime performs, in this order: status, delete, stop, create, events, suspend
+    (the failed attempt's JobSet is gone before its replacement exists: never two live attempts)."""
 
     create_attempt: int | None = None
     resume_step: int | None = None

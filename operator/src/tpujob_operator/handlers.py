@@ -18,7 +18,7 @@ from . import api
 from .jobset import JOBSET_GROUP, JOBSET_PLURAL, JOBSET_VERSION, LABEL_ATTEMPT, LABEL_NAME
 from .kube import KUEUE_GROUP, KUEUE_JOB_UID_LABEL, KUEUE_VERSION
 from .reconcile import TERMINAL_PHASES
-from .runtime import Runtime, slim_jobset, slim_pod, slim_workload
+from .runtime import Runtime, slim_jobset, slim_pod, slim_workload, without_managed_fields
 
 log = logging.getLogger("tpujob")
 JobKey = tuple[str, str]
@@ -58,7 +58,7 @@ def liveness(**_: Any) -> int:
 async def tpujob_trainingjobs(
     namespace: str | None, name: str, body: kopf.Body, **_: Any
 ) -> dict[JobKey, dict[str, Any]]:
-    return {(namespace or "", name): dict(body)}
+    return {(namespace or "", name): without_managed_fields(body)}
 
 
 @kopf.index(JOBSET_GROUP, JOBSET_VERSION, JOBSET_PLURAL, labels={LABEL_NAME: kopf.PRESENT})

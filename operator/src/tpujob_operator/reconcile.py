@@ -519,7 +519,10 @@ def _after_failure(
         )
     )
     message = f"{failure.kind} ({failure.reason}); attempt {status.attempt} resumes from {resume}"
-    return _staged(with_phase(status, "Restarting", failure.reason, message, now), "BackingOff", now), actions
+    status = with_phase(status, "Restarting", failure.reason, message, now)
+    if delay.total_seconds() <= 0:  # no backoff: the next attempt is created by this decision
+        return _without_jobset(tj, status, observed, actions)
+    return _staged(status, "BackingOff", now), actions
 
 
 def with_creation_refused(status: TrainingJobStatus, message: str, permanent: bool, now: datetime) -> TrainingJobStatus:

@@ -122,6 +122,13 @@ def slim_pod(body: Mapping[str, Any]) -> dict[str, Any]:
     return {"metadata": {k: meta[k] for k in kept if k in meta}, "status": dict(body.get("status") or {})}
 
 
+def without_managed_fields(body: Mapping[str, Any]) -> dict[str, Any]:
+    """A cached object without metadata.managedFields (server-side apply's bookkeeping: often the
+    largest part of an object, and nothing the operator reads)."""
+    meta = {k: v for k, v in (body.get("metadata") or {}).items() if k != "managedFields"}
+    return {**body, "metadata": meta}
+
+
 def slim_jobset(body: Mapping[str, Any]) -> dict[str, Any]:
     """What the operator reads of a JobSet: metadata, suspend, the pod count, the conditions."""
     spec = body.get("spec") or {}
@@ -133,7 +140,7 @@ def slim_jobset(body: Mapping[str, Any]) -> dict[str, Any]:
         for rj in spec.get("replicatedJobs") or []
     ]
     return {
-        "metadata": dict(body.get("metadata") or {}),
+        "metadata": without_managed_fields(body)["metadata"],
         "spec": {"suspend": spec.get("suspend"), "replicatedJobs": replicated},
         "status": {"conditions": list((body.get("status") or {}).get("conditions") or [])},
     }
@@ -261,6 +268,8 @@ class Runtime:
         body = newest(*cached_bodies, self.written.get(key))
         if body is None:
             return None
+        if key in self.written and body is not self.written[key]:
+            del self.written[key]  # the watch caught up with our write
         cached_jobsets = list(self.indexes.get("jobsets", {}).get(key, ()))
         names = {js["metadata"]["name"] for js in cached_jobsets}
         created, deleted = self.created.get(key, {}), self.deleted.get(key, set())
@@ -463,11 +472,6 @@ class Runtime:
         if status_worth_writing(body.get("status") or {}, _dump(status), _is_acting(actions)):
             body = self._write_status(key, body, _dump(status))
         METRICS.observe_reconcile(tj.namespace, tj.name, tj.status, status, datetime.now(UTC))
-        # Events next, before the changes they announce: an operator that dies after the status write
-        # leaves those changes undone, and the next reconcile (or replica) decides them again, Events
-        # included; after them, nothing would post the Events again.
-        for event in actions.events:
-            self._post_event(body, event.type, event.reason, event.message)
         for name in actions.delete:
             kube.delete_jobset(tj.namespace, name)
             self.deleted[key].add(name)
@@ -489,6 +493,10 @@ class Runtime:
                 refused = with_creation_refused(status, message, error.status in _PERMANENT_REFUSALS, datetime.now(UTC))
                 self._write_status(key, body, _dump(refused))
                 self._post_event(body, "Warning", "JobSetRefused", message)
+        # Events before the suspension they announce: an operator that dies after the status write
+        # leaves it undone, and the next reconcile (or replica) decides it again, Event included.
+        for event in actions.events:
+            self._post_event(body, event.type, event.reason, event.message)
         if actions.set_suspend is not None:
             kube.set_jobset_suspend(tj.namespace, *actions.set_suspend)
 
