@@ -10,7 +10,7 @@ PY := $(VENV)/bin/python
 DEPS_STAMP := $(VENV)/.deps-$(shell cat requirements-dev.txt contract/pyproject.toml operator/pyproject.toml trainer_image/pyproject.toml devcluster/pyproject.toml | sha1sum | cut -c1-12)
 PYTEST_ARGS ?=
 
-.PHONY: setup venv binaries tools maxtext-venv checkov-venv crds lint test test-unit test-integration test-trainer up down demo bench bench-recovery clean
+.PHONY: setup venv binaries tools maxtext-venv checkov-venv crds lint test test-unit test-integration test-trainer up down demo bench bench-recovery bench-scale clean
 
 setup: venv binaries tools
 
@@ -85,6 +85,11 @@ bench: venv
 RECOVERY_ARGS ?= --baseline-rev a740187 --rounds 3 --failures 5
 bench-recovery: setup
 	$(PY) bench/recovery.py $(RECOVERY_ARGS)
+
+# The operator with 10 -> 100 -> 1,000 TrainingJobs (stub trainers); SCALE_ARGS=--operator-rev 1a1c00d for before.
+SCALE_ARGS ?=
+bench-scale: setup
+	$(PY) bench/operator_scale.py $(SCALE_ARGS)
 
 clean: down
 	rm -rf .devcluster
