@@ -70,12 +70,11 @@ def storage_reads(
     workers_running: bool,
     deciding: bool,
     progress_age: float | None,
-    listing_age: float | None,
     check_seconds: float,
 ) -> Reads:
-    """Which GCS reads a reconcile makes (ages: seconds since the last read, None: never). Nothing is
+    """Which GCS reads a reconcile makes (`progress_age`: seconds since the last read, None: never). Nothing is
     read while no worker runs (a job waiting for capacity or its queue writes nothing), except for a
-    decision (a restart, a new attempt, a resume), which reads everything not read just now. A running
+    decision (a restart, a new attempt, a resume, the end), which reads everything again. A running
     job's record is checked every `check_seconds` (the job's timer; events may bring it forward); the
     checkpoints are listed only when never listed: between decisions the record tells of new commits
     (`checkpoints.with_reported_commit`)."""
@@ -84,8 +83,8 @@ def storage_reads(
     def fresh(age: float | None) -> bool:
         return age is not None and age < freshness
 
-    if deciding:
-        return Reads(progress=not fresh(progress_age), listing=not fresh(listing_age))
+    if deciding:  # whatever the last read: the trainer may have written its last record since
+        return Reads(progress=True, listing=True)
     progress = workers_running and not fresh(progress_age)
     return Reads(progress=progress, listing=progress and not view.listed)
 
@@ -191,7 +190,7 @@ class Runtime:
         self.created: defaultdict[JobKey, dict[str, dict[str, Any]]] = defaultdict(dict)
         self.deleted: defaultdict[JobKey, set[str]] = defaultdict(set)
         self.runs: dict[JobKey, checkpoints.RunView] = {}  # the last GCS reads of each run directory
-        self.read_at: dict[tuple[JobKey, str], float] = {}  # (job, "progress" | "listing") -> monotonic time
+        self.read_at: dict[JobKey, float] = {}  # when the job's progress record was last read (monotonic)
         self.lookups: dict[tuple[JobKey, str], Lookup] = {}
         self.policy = policy.Policy()  # what a job may ask for (the chart's `policy` values, as flags)
         self.default_queue: str | None = None  # Kueue LocalQueue for jobs without the queue label
@@ -229,19 +228,17 @@ class Runtime:
         """The job ended or was deleted: keep nothing of it."""
         self.watched.discard(key)
         self.schedule.cancel(key)
-        for memory in (self.ended_pods, self.written, self.created, self.deleted, self.runs):
+        for memory in (self.ended_pods, self.written, self.created, self.deleted, self.runs, self.read_at):
             memory.pop(key, None)
-        for keyed in (self.lookups, self.read_at):
-            for entry in [k for k in keyed if k[0] == key]:
-                del keyed[entry]
+        for lookup in [k for k in self.lookups if k[0] == key]:
+            del self.lookups[lookup]
         METRICS.forget(*key)
 
     def remembered(self, key: JobKey) -> int:
         """How many things the runtime holds for a job (0 once it ended or was deleted)."""
         held = int(key in self.watched) + len(self.ended_pods.get(key, {})) + int(key in self.schedule.due)
-        stores = (self.written, self.created, self.deleted, self.runs)
-        keyed = sum(1 for k in [*self.lookups, *self.read_at] if k[0] == key)
-        return held + sum(int(key in s) for s in stores) + keyed
+        stores = (self.written, self.created, self.deleted, self.runs, self.read_at)
+        return held + sum(int(key in s) for s in stores) + sum(1 for k in self.lookups if k[0] == key)
 
     def keep_only_attempt(self, key: JobKey, uid: str | None, attempt: int) -> None:
         """Drop remembered pods of earlier attempts and other incarnations: they decide nothing any more."""
@@ -365,23 +362,22 @@ class Runtime:
     ) -> tuple[checkpoints.RunView, Reads]:
         view = self.runs.get(key, checkpoints.RunView())
         now = time.monotonic()
-        read_at, listed_at = self.read_at.get((key, "progress")), self.read_at.get((key, "listing"))
+        read_at = self.read_at.get(key)
         reads = storage_reads(
             view,
             workers_running=workers_running,
             deciding=deciding,
             progress_age=None if read_at is None else now - read_at,
-            listing_age=None if listed_at is None else now - listed_at,
             check_seconds=self.progress_check_seconds,
         )
         if tj.spec.framework == maxtext.FRAMEWORK:  # MaxText's progress is read from the listing
             reads = Reads(progress=False, listing=reads.progress or reads.listing)
+        if reads.progress or reads.listing:  # (MaxText's progress is its listing)
+            self.read_at[key] = time.monotonic()
         try:
             if reads.progress:
-                self.read_at[(key, "progress")] = time.monotonic()
                 view = checkpoints.refresh_progress(self.storage(), tj.run_dir, view)
             if reads.listing:
-                self.read_at[(key, "listing")] = time.monotonic()
                 view = checkpoints.refresh_latest(self.storage(), tj.run_dir, view)
             view = checkpoints.with_reported_commit(view)
         except checkpoints.StorageError as failure:
