@@ -43,6 +43,14 @@ def test_storage_reads_follow_the_work(view, running, deciding, ages, expected):
     assert reads == expected
 
 
+def test_a_worker_that_ended_since_the_last_read_has_its_last_record_read():
+    # suspended: no worker runs any more, but the one that just stopped saved and wrote its record
+    reads = storage_reads(
+        LISTED, workers_running=False, deciding=False, worker_ended=True, progress_age=0.5, check_seconds=60
+    )
+    assert reads == Reads(progress=True, listing=False)
+
+
 @pytest.mark.parametrize(
     ("reported", "listed", "latest"),
     [(None, 100, 100), (100, 100, 100), (90, 100, 100), (120, 100, 120), (5, None, 5)],

@@ -69,12 +69,14 @@ def storage_reads(
     *,
     workers_running: bool,
     deciding: bool,
+    worker_ended: bool = False,
     progress_age: float | None,
     check_seconds: float,
 ) -> Reads:
     """Which GCS reads a reconcile makes (`progress_age`: seconds since the last read, None: never). Nothing is
     read while no worker runs (a job waiting for capacity or its queue writes nothing), except for a
-    decision (a restart, a new attempt, a resume, the end), which reads everything again. A running
+    decision (a restart, a new attempt, a resume, the end), which reads everything again, and for a
+    worker that ended since the last read (its last record may be news). A running
     job's record is checked every `check_seconds` (the job's timer; events may bring it forward); the
     checkpoints are listed only when never listed: between decisions the record tells of new commits
     (`checkpoints.with_reported_commit`)."""
@@ -85,6 +87,8 @@ def storage_reads(
 
     if deciding:  # whatever the last read: the trainer may have written its last record since
         return Reads(progress=True, listing=True)
+    if worker_ended:  # a worker that ends writes its last record first (a suspension's save, the end)
+        return Reads(progress=True, listing=not view.listed)
     progress = workers_running and not fresh(progress_age)
     return Reads(progress=progress, listing=progress and not view.listed)
 
@@ -191,6 +195,7 @@ class Runtime:
         self.deleted: defaultdict[JobKey, set[str]] = defaultdict(set)
         self.runs: dict[JobKey, checkpoints.RunView] = {}  # the last GCS reads of each run directory
         self.read_at: dict[JobKey, float] = {}  # when the job's progress record was last read (monotonic)
+        self.ended_unread: dict[JobKey, bool] = {}  # a worker ended since the record was last read
         self.lookups: dict[tuple[JobKey, str], Lookup] = {}
         self.policy = policy.Policy()  # what a job may ask for (the chart's `policy` values, as flags)
         self.default_queue: str | None = None  # Kueue LocalQueue for jobs without the queue label
@@ -228,7 +233,16 @@ class Runtime:
         """The job ended or was deleted: keep nothing of it."""
         self.watched.discard(key)
         self.schedule.cancel(key)
-        for memory in (self.ended_pods, self.written, self.created, self.deleted, self.runs, self.read_at):
+        memories = (
+            self.ended_pods,
+            self.written,
+            self.created,
+            self.deleted,
+            self.runs,
+            self.read_at,
+            self.ended_unread,
+        )
+        for memory in memories:
             memory.pop(key, None)
         for lookup in [k for k in self.lookups if k[0] == key]:
             del self.lookups[lookup]
@@ -237,7 +251,7 @@ class Runtime:
     def remembered(self, key: JobKey) -> int:
         """How many things the runtime holds for a job (0 once it ended or was deleted)."""
         held = int(key in self.watched) + len(self.ended_pods.get(key, {})) + int(key in self.schedule.due)
-        stores = (self.written, self.created, self.deleted, self.runs, self.read_at)
+        stores = (self.written, self.created, self.deleted, self.runs, self.read_at, self.ended_unread)
         return held + sum(int(key in s) for s in stores) + sum(1 for k in self.lookups if k[0] == key)
 
     def keep_only_attempt(self, key: JobKey, uid: str | None, attempt: int) -> None:
@@ -367,6 +381,7 @@ class Runtime:
             view,
             workers_running=workers_running,
             deciding=deciding,
+            worker_ended=self.ended_unread.pop(key, False),
             progress_age=None if read_at is None else now - read_at,
             check_seconds=self.progress_check_seconds,
         )
