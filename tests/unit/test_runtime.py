@@ -43,12 +43,11 @@ def test_storage_reads_follow_the_work(view, running, deciding, ages, expected):
     assert reads == expected
 
 
-def test_a_worker_that_ended_since_the_last_read_has_its_last_record_read():
-    # suspended: no worker runs any more, but the one that just stopped saved and wrote its record
-    reads = storage_reads(
-        LISTED, workers_running=False, deciding=False, worker_ended=True, progress_age=0.5, check_seconds=60
-    )
-    assert reads == Reads(progress=True, listing=False)
+def test_while_workers_end_their_last_records_are_read():
+    # suspended: no worker runs any more, but the one stopping saves and then writes its record
+    ending = {"workers_running": False, "deciding": False, "workers_ending": True, "check_seconds": 60}
+    assert storage_reads(LISTED, progress_age=5.0, **ending) == Reads(progress=True, listing=False)
+    assert storage_reads(LISTED, progress_age=0.5, **ending) == Reads(progress=False, listing=False)  # just read
 
 
 @pytest.mark.parametrize(

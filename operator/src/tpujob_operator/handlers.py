@@ -137,7 +137,7 @@ async def on_worker_pod_event(
     # Only live jobs are remembered: pods of finished or deleted jobs must not accumulate.
     if key in RUNTIME.watched and (ended or type == "DELETED"):
         RUNTIME.ended_pods[key][body["metadata"]["name"]] = slim_pod(body)
-        RUNTIME.ended_unread[key] = True
+        RUNTIME.worker_ending(key)
     RUNTIME.request(key)  # scheduled, running, failed: react now
 
 

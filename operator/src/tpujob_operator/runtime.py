@@ -54,6 +54,10 @@ FRESH_SECONDS = 2.0
 SLOW_LOOKUP_SECONDS = 30.0
 # A JobSet's pods normally appear within seconds: only after this long is a refusal looked for.
 POD_CREATION_GRACE_SECONDS = 10.0
+# After a worker was seen stopping, its job's record is read every ENDING_CHECK_SECONDS for this long:
+# a worker stopped by a suspension or a preemption saves first and writes its last record as it exits.
+ENDING_READ_SECONDS = 60.0
+ENDING_CHECK_SECONDS = 5.0
 # Status that differs only in the goodput ledger's clock is written at most this often.
 GOODPUT_WRITE_SECONDS = 60.0
 
@@ -69,14 +73,15 @@ def storage_reads(
     *,
     workers_running: bool,
     deciding: bool,
-    worker_ended: bool = False,
+    workers_ending: bool = False,
     progress_age: float | None,
     check_seconds: float,
 ) -> Reads:
     """Which GCS reads a reconcile makes (`progress_age`: seconds since the last read, None: never). Nothing is
     read while no worker runs (a job waiting for capacity or its queue writes nothing), except for a
-    decision (a restart, a new attempt, a resume, the end), which reads everything again, and for a
-    worker that ended since the last read (its last record may be news). A running
+    decision (a restart, a new attempt, a resume, the end), which reads everything again, and while
+    workers are ending (`ENDING_READ_SECONDS` after a worker was seen stopping: its last record, after
+    a suspension's or a preemption's save, is news). A running
     job's record is checked every `check_seconds` (the job's timer; events may bring it forward); the
     checkpoints are listed only when never listed: between decisions the record tells of new commits
     (`checkpoints.with_reported_commit`)."""
@@ -87,7 +92,7 @@ def storage_reads(
 
     if deciding:  # whatever the last read: the trainer may have written its last record since
         return Reads(progress=True, listing=True)
-    if worker_ended:  # a worker that ends writes its last record first (a suspension's save, the end)
+    if workers_ending and not fresh(progress_age):  # a stopping worker saves, then writes its last record
         return Reads(progress=True, listing=not view.listed)
     progress = workers_running and not fresh(progress_age)
     return Reads(progress=progress, listing=progress and not view.listed)
@@ -162,6 +167,7 @@ def slim_workload(body: Mapping[str, Any]) -> dict[str, Any]:
 class Snapshot:
     """A job's objects as the caches showed them when its reconcile started (copied on the event loop)."""
 
+    key: JobKey
     body: dict[str, Any]
     jobsets: list[dict[str, Any]]
     pods: list[dict[str, Any]]
@@ -195,7 +201,7 @@ class Runtime:
         self.deleted: defaultdict[JobKey, set[str]] = defaultdict(set)
         self.runs: dict[JobKey, checkpoints.RunView] = {}  # the last GCS reads of each run directory
         self.read_at: dict[JobKey, float] = {}  # when the job's progress record was last read (monotonic)
-        self.ended_unread: dict[JobKey, bool] = {}  # a worker ended since the record was last read
+        self.ending_since: dict[JobKey, float] = {}  # a worker was last seen stopping or gone (monotonic)
         self.lookups: dict[tuple[JobKey, str], Lookup] = {}
         self.policy = policy.Policy()  # what a job may ask for (the chart's `policy` values, as flags)
         self.default_queue: str | None = None  # Kueue LocalQueue for jobs without the queue label
@@ -240,7 +246,7 @@ class Runtime:
             self.deleted,
             self.runs,
             self.read_at,
-            self.ended_unread,
+            self.ending_since,
         )
         for memory in memories:
             memory.pop(key, None)
@@ -251,7 +257,7 @@ class Runtime:
     def remembered(self, key: JobKey) -> int:
         """How many things the runtime holds for a job (0 once it ended or was deleted)."""
         held = int(key in self.watched) + len(self.ended_pods.get(key, {})) + int(key in self.schedule.due)
-        stores = (self.written, self.created, self.deleted, self.runs, self.read_at, self.ended_unread)
+        stores = (self.written, self.created, self.deleted, self.runs, self.read_at, self.ending_since)
         return held + sum(int(key in s) for s in stores) + sum(1 for k in self.lookups if k[0] == key)
 
     def keep_only_attempt(self, key: JobKey, uid: str | None, attempt: int) -> None:
@@ -296,7 +302,7 @@ class Runtime:
                 js["metadata"].get("uid") for js in jobsets if api.QUEUE_LABEL in (js["metadata"].get("labels") or {})
             ]
             workloads = {uid: _newest_workload(self.indexes["workloads"].get(uid, ())) for uid in queued if uid}
-        return Snapshot(dict(body), jobsets, pods, workloads)
+        return Snapshot(key, dict(body), jobsets, pods, workloads)
 
     async def reconcile(self, key: JobKey) -> float | None:
         """Reconcile one job (in a worker thread); the delay of its next check, None if none is due."""
@@ -363,11 +369,27 @@ class Runtime:
         return self._next_check(status, actions, snapshot)
 
     def _next_check(self, status: api.TrainingJobStatus, actions: Actions, snapshot: Snapshot) -> float | None:
-        """The reconciler's own deadline, and for a training job no later than its next progress check."""
+        """The reconciler's own deadline; for a training job no later than its next progress check, and
+        while workers are ending, soon (their last records)."""
         delay = actions.requeue_after
         if status.stage == "Training":
             delay = min(delay if delay is not None else self.progress_check_seconds, self.progress_check_seconds)
+        if self._workers_ending(snapshot.key):
+            delay = min(delay if delay is not None else ENDING_CHECK_SECONDS, ENDING_CHECK_SECONDS)
         return delay
+
+    def _workers_ending(self, key: JobKey) -> bool:
+        since = self.ending_since.get(key)
+        if since is None:
+            return False
+        if time.monotonic() - since > ENDING_READ_SECONDS:
+            del self.ending_since[key]
+            return False
+        return True
+
+    def worker_ending(self, key: JobKey) -> None:
+        """A worker pod of the job is stopping, ended or gone."""
+        self.ending_since[key] = time.monotonic()
 
     # -- observe -----------------------------------------------------------------------------------
 
@@ -381,7 +403,7 @@ class Runtime:
             view,
             workers_running=workers_running,
             deciding=deciding,
-            worker_ended=self.ended_unread.pop(key, False),
+            workers_ending=self._workers_ending(key),
             progress_age=None if read_at is None else now - read_at,
             check_seconds=self.progress_check_seconds,
         )
