@@ -121,3 +121,26 @@ def test_the_progress_record_is_parsed_again_only_when_its_generation_changed(fa
     changed = checkpoints.refresh_progress(client, run_dir, again)
     assert changed.progress is not None and changed.progress.step == 20
     assert changed.progress_generation != first.progress_generation
+
+
+def test_a_stopping_workers_last_record_reaches_status_with_no_worker_left_running(
+    operator, cluster, unique_name, fake_gcs_server
+):
+    """Suspended: the worker is stopping (its pod being deleted) and writes its last record after its
+    SIGTERM save; status shows that step, though no worker runs any more."""
+    bucket = storage.Client(project="t", credentials=checkpoints.AnonymousCredentials()).bucket(TEST_BUCKET)
+    run = f"runs/{cluster.namespace}/{unique_name}"
+    created = cluster.apply(
+        training_job_manifest(unique_name, tpu={"accelerator": "tpu-v5p-slice", "topology": "2x2x1", "slices": 1})
+    )
+    jobset = eventually(lambda: cluster.jobset(f"{unique_name}-a0"), what="JobSet a0")
+    _running_worker(cluster, jobset)
+    _write_progress(bucket, run, created["metadata"]["uid"], step=10)
+    eventually(lambda: cluster.status(unique_name).get("step") == 10, what="step 10")
+    cluster.patch_spec(unique_name, {"suspend": True})
+    eventually(lambda: cluster.status(unique_name).get("phase") == "Suspended", what="Suspended")
+    # What the Job controller does to a suspended Job's pod (no kubelet here: it stays terminating).
+    cluster.core.delete_namespaced_pod(f"{unique_name}-a0-slice-0-0", cluster.namespace, grace_period_seconds=0)
+    time.sleep(3)  # the save on SIGTERM
+    _write_progress(bucket, run, created["metadata"]["uid"], step=25)
+    eventually(lambda: cluster.status(unique_name).get("step") == 25, timeout=30, what="the last record's step 25")

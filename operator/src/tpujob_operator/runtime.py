@@ -374,7 +374,7 @@ class Runtime:
         delay = actions.requeue_after
         if status.stage == "Training":
             delay = min(delay if delay is not None else self.progress_check_seconds, self.progress_check_seconds)
-        if self._workers_ending(snapshot.key):
+        if self._workers_ending(snapshot.key) or _just_stopped(status):
             delay = min(delay if delay is not None else ENDING_CHECK_SECONDS, ENDING_CHECK_SECONDS)
         return delay
 
@@ -403,7 +403,7 @@ class Runtime:
             view,
             workers_running=workers_running,
             deciding=deciding,
-            workers_ending=self._workers_ending(key),
+            workers_ending=self._workers_ending(key) or _just_stopped(tj.status),
             progress_age=None if read_at is None else now - read_at,
             check_seconds=self.progress_check_seconds,
         )
@@ -575,6 +575,15 @@ class Runtime:
         for js in jobsets:
             if incarnation_uid(js) == tj.metadata.get("uid") and not js["metadata"].get("deletionTimestamp"):
                 self.cluster().delete_jobset(tj.namespace, js["metadata"]["name"])
+
+
+def _just_stopped(status: api.TrainingJobStatus) -> bool:
+    """Suspended or queued (a preemption) in the last ENDING_READ_SECONDS: the workers stopped by it
+    save and write their last records meanwhile, whatever pod events the operator saw."""
+    started = parse_time(status.stage_start_time)
+    if status.stage not in ("Suspended", "Queued") or started is None:
+        return False
+    return (datetime.now(UTC) - started).total_seconds() < ENDING_READ_SECONDS
 
 
 def _newest_workload(workloads: Iterable[dict[str, Any]]) -> dict[str, Any] | None:
