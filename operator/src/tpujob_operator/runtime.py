@@ -307,6 +307,7 @@ class Runtime:
     async def reconcile(self, key: JobKey) -> float | None:
         """Reconcile one job (in a worker thread); the delay of its next check, None if none is due."""
         if key not in self.watched:
+            self.forget(key)  # what a run that was in flight when it was forgotten left behind
             return None
         snapshot = self.snapshot(key)
         if snapshot is None:
@@ -315,8 +316,17 @@ class Runtime:
         if self._executor is None:
             self._executor = ThreadPoolExecutor(self.schedule.limit, thread_name_prefix="reconcile")
         loop = asyncio.get_running_loop()
-        with METRICS.reconciling():
-            return await loop.run_in_executor(self._executor, self.reconcile_sync, key, snapshot)
+        try:
+            with METRICS.reconciling():
+                delay = await loop.run_in_executor(self._executor, self.reconcile_sync, key, snapshot)
+        except Exception:
+            if key in self.watched:
+                raise
+            delay = None  # deleted while it ran (its status write found nothing): nothing to retry
+        if key not in self.watched:  # deleted or ended while it ran: keep nothing it remembered
+            self.forget(key)
+            return None
+        return delay
 
     def reconcile_sync(self, key: JobKey, snapshot: Snapshot) -> float | None:
         body = snapshot.body
