@@ -176,7 +176,9 @@ def test_storage_outage_killed_then_hung_costs_the_job_nothing(e2e):
     assert [p.status.phase for p in pods] == ["Succeeded"], [(p.metadata.name, p.status.phase) for p in pods]
     record = _progress_json(e2e, name)
     assert (record["uid"], record["attempt"], record["step"], record["state"]) == (uid, 0, OUTAGE_STEPS, "succeeded")
-    assert record["save_failures"] >= 1, record  # the crash really reached the trainer's saves
+    # The outages really reached the trainer's saves: one failed, or a save rode one out, blocked (a
+    # retry that outlasts the outage succeeds; CI saw 0 failures once).
+    assert record["save_failures"] >= 1 or record["save_blocking_seconds"] >= OUTAGE_SECONDS / 2, record
     reasons = {reason for reason, _ in e2e.event_records(name, uid)}
     assert {"CheckpointStorageError", "CheckpointStorageReachable", "Succeeded"} <= reasons, reasons
     assert not {"FailureDetected", "Restarting"} & reasons, reasons
