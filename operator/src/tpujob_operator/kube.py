@@ -14,7 +14,7 @@ from kubernetes import client, config
 from kubernetes.client.exceptions import ApiException
 
 from . import api
-from .jobset import ANNOTATION_SUSPENDED, JOBSET_GROUP, JOBSET_PLURAL, JOBSET_VERSION, LABEL_NAME
+from .jobset import ANNOTATION_SUSPENDED, JOBSET_GROUP, JOBSET_PLURAL, JOBSET_VERSION
 
 log = logging.getLogger(__name__)
 # Every API call carries a timeout, so a stuck connection cannot stall a reconcile forever.
@@ -62,25 +62,6 @@ class Cluster:
             if error.status == 404:
                 return None
             raise
-
-    def list_jobsets(self, namespace: str, name: str) -> list[dict[str, Any]]:
-        found = self.custom.list_namespaced_custom_object(
-            JOBSET_GROUP,
-            JOBSET_VERSION,
-            namespace,
-            JOBSET_PLURAL,
-            label_selector=f"{LABEL_NAME}={name}",
-            _request_timeout=REQUEST_TIMEOUT_SECONDS,
-        )
-        return list(cast(dict[str, Any], found).get("items", []))
-
-    def list_pods(self, namespace: str, name: str) -> list[dict[str, Any]]:
-        """Worker pods of every attempt and incarnation of this name; the caller sorts them out."""
-        found = self.core.list_namespaced_pod(
-            namespace, label_selector=f"{LABEL_NAME}={name}", _request_timeout=REQUEST_TIMEOUT_SECONDS
-        )
-        # Plain dicts in the API's own camelCase, like every other object the operator reads.
-        return [cast(dict[str, Any], self.custom.api_client.sanitize_for_serialization(p)) for p in found.items]
 
     def pod_creation_refusal(self, namespace: str, jobset_name: str) -> str | None:
         """The newest FailedCreate the Job controller reported for this JobSet's Jobs (a quota, Pod
