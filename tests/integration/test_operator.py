@@ -53,6 +53,13 @@ class Cluster:
         )
         return [js for js in found["items"] if not js["metadata"].get("deletionTimestamp")]
 
+    def all_jobsets(self) -> list[str]:
+        """Every JobSet the apiserver holds in the namespace, being deleted or not."""
+        found: Any = self.custom.list_namespaced_custom_object(
+            JOBSET_GROUP, JOBSET_VERSION, self.namespace, JOBSET_PLURAL
+        )
+        return [js["metadata"]["name"] for js in found["items"]]
+
     def jobset(self, name: str) -> Any:
         return next((js for js in self.jobsets() if js["metadata"]["name"] == name), None)
 
@@ -187,8 +194,30 @@ def test_exhausted_budget_fails_the_job_with_a_condition(operator, cluster, uniq
     assert (failed["status"], failed["reason"]) == ("True", "RestartBudgetExhausted")
     assert "restart budget exhausted (0/0)" in failed["message"]
     assert status["restarts"] == 0
-    assert [js["metadata"]["name"] for js in cluster.jobsets()] == [f"{unique_name}-a0"]  # kept for debugging
+    # Giving up releases the slices: the apiserver holds no JobSet of the job (deleting ones included).
+    eventually(lambda: cluster.all_jobsets() == [], timeout=60, what="no JobSet left after giving up")
     assert "RestartBudgetExhausted" in eventually(lambda: cluster.events(unique_name), what="events")
+
+
+def test_a_job_failed_while_the_operator_was_down_loses_its_jobset_when_it_is_back(
+    start_operator, cluster, unique_name
+):
+    first = start_operator()
+    cluster.apply(training_job_manifest(unique_name))
+    eventually(lambda: cluster.jobset(f"{unique_name}-a0"), what="JobSet a0")
+    eventually(lambda: cluster.status(unique_name).get("phase"), what="status")
+    first.stop()
+    # What an operator that died between its Failed status write and the delete left behind.
+    failed = {"type": "Failed", "status": "True", "reason": "RestartBudgetExhausted", "message": "gave up",
+              "lastTransitionTime": _now()}  # fmt: skip
+    cluster.custom.patch_namespaced_custom_object_status(
+        api.GROUP, api.VERSION, cluster.namespace, api.PLURAL, unique_name,
+        {"status": {"phase": "Failed", "conditions": [failed], "stage": "Finished"}},
+    )  # fmt: skip
+    assert cluster.jobset(f"{unique_name}-a0") is not None
+    start_operator()
+    eventually(lambda: cluster.all_jobsets() == [], timeout=60, what="no JobSet left by the finished job")
+    assert cluster.status(unique_name)["phase"] == "Failed"
 
 
 def test_preemption_is_restarted_without_spending_the_budget(operator, cluster, unique_name):

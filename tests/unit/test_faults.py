@@ -286,3 +286,58 @@ def test_an_unschedulable_leader_explains_the_refused_followers():
     js = _jobset(pods=(leader,), expected_pods=2, pod_creation_refused=refusal)
     status, _ = reconcile(tj, Observed(now=T0, jobsets=(js,)))
     assert _condition(status, "Pending")[:2] == ("True", "Unschedulable")
+
+
+# --- giving up releases everything --------------------------------------------------------------------
+
+
+def _given_up(tj, observed):
+    status, actions = reconcile(tj, observed)
+    assert status.phase == "Failed", status.phase
+    # The same answer from the finished job's status, as after an operator restart between the
+    # status write and the delete: level-triggered.
+    _, later = reconcile(training_job(status=status.model_dump(by_alias=True, exclude_none=True)), observed)
+    return status, actions, later
+
+
+def test_every_way_to_failed_deletes_the_attempt_and_a_finished_job_keeps_deleting_it():
+    hung = _running(restart={"maxRestarts": 0, "hangTimeoutSeconds": 60})
+    pods = (_scheduled(),)
+    late = T0 + timedelta(seconds=61)
+    waiting = training_job(
+        restart={"maxRestarts": 0, "schedulingTimeoutSeconds": 60, "startupTimeoutSeconds": 60},
+        status={"phase": "Pending", "attempt": 0},
+    )
+    cases = {
+        "Hang": (hung, Observed(now=late, jobsets=(_jobset(pods=pods),), progress=_progress())),
+        "StartupTimeout": (waiting, Observed(now=late, jobsets=(_jobset(pods=pods, expected_pods=1),))),
+        "SchedulingTimeout": (waiting, Observed(now=late, jobsets=(_jobset(pods=(), expected_pods=1),))),
+        "ApplicationError": (
+            _running(restart={"maxRestarts": 0}),
+            Observed(now=T0, jobsets=(_jobset(pods=(_scheduled(phase="Failed", exit_code=1, finished_at=T0),)),)),
+        ),
+        "CheckpointIncompatible": (
+            _running(restart={"maxRestarts": 5}),
+            Observed(now=T0, jobsets=(_jobset(pods=(_scheduled(phase="Failed", exit_code=4, finished_at=T0),)),)),
+        ),
+    }
+    for kind, (tj, observed) in cases.items():
+        status, actions, later = _given_up(tj, observed)
+        assert status.last_failure.kind == kind
+        # Hung or failed workers cannot save without their peers: gone in seconds, as on a restart.
+        assert (actions.delete, actions.stop, actions.create_attempt) == (["llama-a0"], [], None), kind
+        assert (later.delete, later.stop, later.events) == (["llama-a0"], [], []), kind
+        assert later.requeue_after is not None  # looked at again until the JobSet is gone
+        gone = training_job(status=status.model_dump(by_alias=True, exclude_none=True))
+        _, done = reconcile(gone, Observed(now=late, jobsets=(_jobset(deleting=True),)))
+        assert (done.delete, done.stop, done.requeue_after) == ([], [], None), kind
+
+
+def test_a_job_failed_for_another_reason_stops_its_live_workers_with_their_save_grace():
+    # An invalid spec or a policy refusal (written by the runtime) ends a healthy attempt: it saves first.
+    failed = {"phase": "Failed", "attempt": 2, "conditions": [{"type": "Failed", "status": "True",
+              "reason": "PolicyViolation", "message": "serviceAccountName not allowed"}]}  # fmt: skip
+    tj = training_job(status=failed)
+    live, other = _jobset(attempt=2, pods=(_scheduled(),)), _jobset(attempt=1, uid="old-uid")
+    status, actions = reconcile(tj, Observed(now=T0, jobsets=(live, other)))
+    assert status == tj.status and (actions.stop, actions.delete) == (["llama-a2"], [])

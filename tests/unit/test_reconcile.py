@@ -119,14 +119,19 @@ def test_exhausted_budget_fails_the_job_with_a_condition_saying_why():
     assert status.phase == "Failed"
     assert _conditions(status)["Failed"] == ("True", "RestartBudgetExhausted")
     assert "1/1" in next(c.message for c in status.conditions if c.type == "Failed")
-    assert actions.create_attempt is None and actions.delete == []
+    # Giving up releases the slices: the failed attempt's JobSet goes in the same decision.
+    assert actions.create_attempt is None and actions.delete == ["llama-a1"]
     assert "RestartBudgetExhausted" in [e.reason for e in actions.events]
 
 
-def test_terminal_jobs_are_left_alone():
-    tj = training_job(status={"phase": "Succeeded", "attempt": 0})
-    status, actions = reconcile(tj, Observed(now=T0, jobsets=(_active(state="Failed"),)))
-    assert status.phase == "Succeeded" and actions.create_attempt is None and actions.delete == []
+def test_terminal_jobs_decide_nothing_but_keep_only_a_succeeded_jobset():
+    tj = training_job(status={"phase": "Succeeded", "attempt": 1})
+    completed, stray = _active(attempt=1, state="Completed"), _active(attempt=0, state="Failed")
+    status, actions = reconcile(tj, Observed(now=T0, jobsets=(completed, stray)))
+    assert status == tj.status and actions.create_attempt is None and actions.events == []
+    assert (actions.delete, actions.stop) == (["llama-a0"], [])
+    _, actions = reconcile(tj, Observed(now=T0, jobsets=(completed,)))
+    assert (actions.delete, actions.stop, actions.requeue_after) == ([], [], None)
 
 
 def test_completed_jobset_succeeds():

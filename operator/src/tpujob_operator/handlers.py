@@ -110,6 +110,11 @@ async def on_training_job(
         RUNTIME.forget(key)
         return
     if status.get("phase") in TERMINAL_PHASES:
+        # A finished job is reconciled while the cache holds a JobSet of it: it must hold nothing (an
+        # operator that died between the Failed status and the delete cleans up when it is back).
+        if key not in RUNTIME.watched and RUNTIME.holds_jobsets(key):
+            RUNTIME.watch(key)
+            RUNTIME.request(key)
         return
     # New, seen at start-up (type None: the initial listing) or spec changed: reconcile now.
     # Status-only changes (our own writes) change nothing to decide on.

@@ -49,6 +49,8 @@ _STUCK_WAITING_REASONS = (
 
 
 def reconcile(tj: TrainingJob, observed: Observed) -> tuple[TrainingJobStatus, Actions]:
+    if tj.status.phase in TERMINAL_PHASES:  # decided: what is left is to hold nothing
+        return tj.status, release(tj.metadata.get("uid"), tj.status, observed.jobsets)
     # A record of another incarnation of this name is never taken for ours.
     if observed.progress is not None and observed.progress.uid != tj.metadata.get("uid"):
         observed = dataclasses.replace(observed, progress=None)
@@ -132,8 +134,6 @@ def _decide(tj: TrainingJob, observed: Observed) -> tuple[TrainingJobStatus, Act
     status = with_observations(status, observed)
     _report_restore_fallback(status, observed, restored_before, actions)
 
-    if status.phase in TERMINAL_PHASES:
-        return _staged(status, "Finished", now), actions
     if foreign:
         return _remove_foreign(tj, status, observed, actions, foreign)
     if current is None:
@@ -156,6 +156,39 @@ def _decide(tj: TrainingJob, observed: Observed) -> tuple[TrainingJobStatus, Act
     if current.state == "Failed" or any(p.phase == "Failed" for p in current.pods):
         return _after_failure(tj, status, observed, actions, current, classify_jobset_failure(current))
     return _while_active(tj, status, observed, actions, current)
+
+
+RELEASE_CHECK_SECONDS = 5.0  # a finished job's JobSets were deleted: look again until none is left
+
+
+def release(uid: str | None, status: TrainingJobStatus, jobsets: tuple[JobSetFacts, ...]) -> Actions:
+    """A finished job holds nothing: every JobSet of it still alive is deleted (its Kueue Workload, and
+    with it the quota, goes with it), whichever way the job ended and whenever the operator got to it
+    (one that died between the status write and the delete cleans up when it is back). A Succeeded
+    job's completed JobSet is kept: none of its pods runs, and they hold the logs. The workers of an
+    attempt whose failure ended the job are gone in seconds, as on a restart: they cannot save without
+    their failed or hung peer; any other live workers (a policy refusal, an invalid spec) first get
+    their save grace."""
+    actions = Actions()
+    for js in jobsets:
+        if js.uid != uid or js.deleting or (status.phase == "Succeeded" and js.state == "Completed"):
+            continue
+        if js.state == "Failed" or (js.attempt == status.attempt and _ended_by_a_failure(status)):
+            actions.delete.append(js.name)
+        else:
+            actions.stop.append(js.name)
+    if actions.delete or actions.stop:
+        actions.requeue_after = RELEASE_CHECK_SECONDS
+    return actions
+
+
+def _ended_by_a_failure(status: TrainingJobStatus) -> bool:
+    failure = status.last_failure
+    return (
+        status.phase == "Failed"
+        and failure is not None
+        and _phase_reason(status) in ("RestartBudgetExhausted", failure.reason)
+    )
 
 
 def _phase_reason(status: TrainingJobStatus) -> str | None:
@@ -489,7 +522,7 @@ def _after_failure(
         status.completion_time = rfc3339(now)
         actions.events.append(Event("Warning", failure.reason, f"{failure.message}; no restart can fix this"))
         failed = with_phase(status, "Failed", failure.reason, failure.message, now)
-        return _staged(failed, "Finished", now), actions
+        return _given_up(tj, _staged(failed, "Finished", now), observed, actions)
     if counted and not budget_left(policy, status.counted_restarts):
         actions.events.append(
             Event(
@@ -501,7 +534,8 @@ def _after_failure(
         status.completion_time = rfc3339(now)
         used = f"{status.counted_restarts}/{policy.max_restarts}"
         message = f"restart budget exhausted ({used}); last failure: {failure.kind}: {failure.message}"
-        return _enter(status, "Failed", "RestartBudgetExhausted", message, "Finished", now), actions
+        failed = _enter(status, "Failed", "RestartBudgetExhausted", message, "Finished", now)
+        return _given_up(tj, failed, observed, actions)
     status.restarts += 1
     status.counted_restarts += int(counted)
     delay = backoff(policy, status.counted_restarts, counted)
@@ -523,6 +557,18 @@ def _after_failure(
     if delay.total_seconds() <= 0:  # no backoff: the next attempt is created by this decision
         return _without_jobset(tj, status, observed, actions)
     return _staged(status, "BackingOff", now), actions
+
+
+def _given_up(
+    tj: TrainingJob, status: TrainingJobStatus, observed: Observed, actions: Actions
+) -> tuple[TrainingJobStatus, Actions]:
+    """The job failed: its JobSets go in the decision that says so (and again at every reconcile of the
+    finished job until none is left: `release`)."""
+    released = release(tj.metadata.get("uid"), status, observed.jobsets)
+    actions.delete += [n for n in released.delete if n not in actions.delete]
+    actions.stop += [n for n in released.stop if n not in actions.stop and n not in actions.delete]
+    actions.requeue_after = released.requeue_after
+    return status, actions
 
 
 def with_creation_refused(status: TrainingJobStatus, message: str, permanent: bool, now: datetime) -> TrainingJobStatus:

@@ -35,7 +35,7 @@ from .jobset import (
 )
 from .kube import Cluster, Conflict, load_config
 from .metrics import METRICS
-from .reconcile import TERMINAL_PHASES, reconcile, with_creation_refused
+from .reconcile import TERMINAL_PHASES, reconcile, release, with_creation_refused
 from .schedule import JobKey, Schedule
 from .status import parse_time, rfc3339, with_phase
 
@@ -273,6 +273,10 @@ class Runtime:
         if not pods:
             del self.ended_pods[key]
 
+    def holds_jobsets(self, key: JobKey) -> bool:
+        """Whether the cache holds a JobSet labelled with the job's name (of any incarnation)."""
+        return any(True for _ in self.indexes.get("jobsets", {}).get(key, ()))
+
     def request(self, key: JobKey, delay: float = 0.0) -> None:
         if key in self.watched:
             self.schedule.request(key, delay)
@@ -346,19 +350,15 @@ class Runtime:
         if body["metadata"].get("deletionTimestamp"):
             self.forget(key)
             return None
+        uid = body["metadata"].get("uid")
         try:
             tj = api.TrainingJob.model_validate(body)
         except ValidationError as error:
-            self._report_invalid(key, body, error)
-            self.forget(key)
-            return None
+            return self._release(key, uid, self._report_invalid(key, body, error), snapshot)
         if tj.status.phase in TERMINAL_PHASES:
-            self.forget(key)
-            return None
+            return self._release(key, uid, tj.status, snapshot)
         if problems := policy.violations(tj, self.policy):
-            self._refuse_for_policy(key, body, tj, problems, snapshot.jobsets)
-            self.forget(key)
-            return None
+            return self._release(key, uid, self._refuse_for_policy(key, body, tj, problems), snapshot)
         observed = self._observe(key, tj, snapshot, deciding=False)
         status, actions = reconcile(tj, observed)
         if _changes_the_world(actions) or status.phase in TERMINAL_PHASES:
@@ -373,10 +373,22 @@ class Runtime:
                 status.step,
             )  # fmt: skip
         if status.phase in TERMINAL_PHASES:
+            if actions.delete or actions.stop:  # watched until its JobSets are gone (`_release`)
+                return actions.requeue_after
             self.forget(key)
             return None
         self.keep_only_attempt(key, tj.metadata.get("uid"), status.attempt)
         return self._next_check(status, actions, snapshot)
+
+    def _release(self, key: JobKey, uid: str | None, status: api.TrainingJobStatus, snapshot: Snapshot) -> float | None:
+        """A finished job: delete what is left of it (`reconcile.release`); forgotten once nothing is."""
+        facts = tuple(jobset_facts(js, []) for js in snapshot.jobsets)
+        actions = release(uid, status, facts)
+        if not (actions.delete or actions.stop):
+            self.forget(key)
+            return None
+        self._tear_down(key, actions)
+        return actions.requeue_after
 
     def _next_check(self, status: api.TrainingJobStatus, actions: Actions, snapshot: Snapshot) -> float | None:
         """The reconciler's own deadline; for a training job no later than its next progress check, and
@@ -515,12 +527,7 @@ class Runtime:
         if status_worth_writing(body.get("status") or {}, _dump(status), _is_acting(actions)):
             body = self._write_status(key, body, _dump(status))
         METRICS.observe_reconcile(tj.namespace, tj.name, tj.status, status, datetime.now(UTC))
-        for name in actions.delete:
-            kube.delete_jobset(tj.namespace, name)
-            self.deleted[key].add(name)
-        for name in actions.stop:
-            kube.delete_jobset(tj.namespace, name, save=True)
-            self.deleted[key].add(name)
+        self._tear_down(key, actions)
         if actions.create_attempt is not None:
             manifest = build_jobset(tj, actions.create_attempt, actions.resume_step, queue)
             try:
@@ -543,6 +550,15 @@ class Runtime:
         if actions.set_suspend is not None:
             kube.set_jobset_suspend(tj.namespace, *actions.set_suspend)
 
+    def _tear_down(self, key: JobKey, actions: Actions) -> None:
+        kube = self.cluster()
+        for name in actions.delete:
+            kube.delete_jobset(key[0], name)
+            self.deleted[key].add(name)
+        for name in actions.stop:
+            kube.delete_jobset(key[0], name, save=True)
+            self.deleted[key].add(name)
+
     def _post_event(self, body: dict[str, Any], type_: str, reason: str, message: str) -> None:
         """Events are told, never required: one that cannot be posted (a namespace being deleted, an
         overloaded apiserver) is logged and the reconcile goes on."""
@@ -559,32 +575,33 @@ class Runtime:
 
     def _fail(
         self, key: JobKey, body: dict[str, Any], status: api.TrainingJobStatus, reason: str, message: str
-    ) -> None:
+    ) -> api.TrainingJobStatus:
         """End the job Failed for `reason`, with an Event saying why."""
-        self._write_status(key, body, _dump(with_phase(status, "Failed", reason, message, datetime.now(UTC))))
+        failed = with_phase(status, "Failed", reason, message, datetime.now(UTC))
+        self._write_status(key, body, _dump(failed))
         self._post_event(body, "Warning", reason, message)
+        return failed
 
-    def _report_invalid(self, key: JobKey, body: dict[str, Any], error: ValidationError) -> None:
+    def _report_invalid(self, key: JobKey, body: dict[str, Any], error: ValidationError) -> api.TrainingJobStatus:
         """A spec that slipped past the CRD's validation (e.g. an older CRD): report it, never crash."""
         message = "; ".join(f"spec.{'.'.join(str(p) for p in e['loc'])}: {e['msg']}" for e in error.errors())
         current = api.TrainingJobStatus.model_validate(body.get("status") or {})
         if current.phase != "Failed":
-            self._fail(key, body, current, "InvalidSpec", message)
+            return self._fail(key, body, current, "InvalidSpec", message)
+        return current
 
     def _refuse_for_policy(
-        self, key: JobKey, body: dict[str, Any], tj: api.TrainingJob, problems: list[str], jobsets: list[dict[str, Any]]
-    ) -> None:
-        """A job that breaks the multi-tenant policy: Failed, an Event, its JobSets (if a spec change
-        made it violate) deleted; nothing is created for it and its checkpoint directory is never read."""
+        self, key: JobKey, body: dict[str, Any], tj: api.TrainingJob, problems: list[str]
+    ) -> api.TrainingJobStatus:
+        """A job that breaks the multi-tenant policy: Failed, an Event; nothing is created for it and its
+        checkpoint directory is never read. Its JobSets (if a spec change made it violate) are then
+        released, its workers with their save grace (`_release`)."""
         update = {
             "stage": "Finished",
             "stage_start_time": rfc3339(datetime.now(UTC)),
             "observed_generation": tj.metadata.get("generation"),
         }
-        self._fail(key, body, tj.status.model_copy(update=update), policy.REASON, "; ".join(problems))
-        for js in jobsets:
-            if incarnation_uid(js) == tj.metadata.get("uid") and not js["metadata"].get("deletionTimestamp"):
-                self.cluster().delete_jobset(tj.namespace, js["metadata"]["name"])
+        return self._fail(key, body, tj.status.model_copy(update=update), policy.REASON, "; ".join(problems))
 
 
 def _just_stopped(status: api.TrainingJobStatus) -> bool:
