@@ -569,6 +569,22 @@ class Goodput(ApiModel):
     attempt_restore_seconds: float = 0
 
 
+class FailureEvidence(ApiModel):
+    """The node signal that made a failure the infrastructure's (see the operator's nodes.py)."""
+
+    node: str = Field(description="The node one of the attempt's pods was bound to.")
+    pod: str = Field(description="The pod on that node.")
+    signal: str = Field(
+        description="NodeGone, NodeDeleting, NodeNotReady, NodeUnreachable, NodeOutOfService, NodeTerminating, "
+        "NodeDrained or NodeMaintenance."
+    )
+    detail: str = Field(default="", description="What the node said: its Ready condition, the taint or the label.")
+    since: str | None = Field(
+        default=None,
+        description="When the signal began (RFC 3339), or when the operator saw it if the node does not say.",
+    )
+
+
 class FailureRecord(ApiModel):
     time: str
     kind: FailureKind
@@ -583,6 +599,9 @@ class FailureRecord(ApiModel):
         default=None, description="Failure -> first step trained by the replacement attempt, in seconds."
     )
     timeline: FailureTimeline = Field(default_factory=FailureTimeline, description="The recovery, stage by stage.")
+    evidence: FailureEvidence | None = Field(
+        default=None, description="The node signal that made it NodeLost or Preemption, when the nodes decided it."
+    )
 
 
 class CheckpointCadence(ApiModel):

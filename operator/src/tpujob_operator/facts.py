@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Literal
@@ -25,6 +26,29 @@ class PodFacts:
     scheduled_at: datetime | None = None  # PodScheduled=True since
     waiting_reason: str | None = None  # container waiting reason (ImagePullBackOff, CreateContainerConfigError, ...)
     waiting_message: str | None = None
+    node: str | None = None  # spec.nodeName: the node it was bound to (None: never scheduled)
+
+
+@dataclass(frozen=True)
+class Taint:
+    key: str
+    effect: str
+    added: datetime | None = None  # timeAdded (Kubernetes writes it for NoExecute taints only)
+
+
+@dataclass(frozen=True)
+class NodeFacts:
+    """What a Node says about its health (nodes.py turns it into verdicts)."""
+
+    name: str
+    ready: str | None = None  # the Ready condition's status: True, False, Unknown (None: never reported)
+    ready_reason: str | None = None
+    ready_message: str | None = None
+    ready_since: datetime | None = None  # the Ready condition's lastTransitionTime
+    unschedulable: bool = False  # spec.unschedulable: cordoned
+    taints: tuple[Taint, ...] = ()
+    maintenance: str | None = None  # GKE's cloud.google.com/active-node-maintenance label, if any
+    deleting_since: datetime | None = None  # metadata.deletionTimestamp
 
 
 @dataclass(frozen=True)
@@ -104,6 +128,9 @@ class Observed:
     # this incarnation starts only once they are gone, since both would write one run directory.
     foreign_pods: int = 0
     queue_name: str | None = None  # the Kueue LocalQueue the job's attempts go to (None: no Kueue)
+    # The nodes the job's pods are bound to, by name; a name bound but absent is a node that is gone.
+    # None: no node watch (nothing can be said about nodes).
+    nodes: Mapping[str, NodeFacts] | None = None
 
 
 @dataclass(frozen=True)

@@ -1,6 +1,6 @@
 """kopf glue over the runtime (runtime.py).
 
-kopf's watch streams fill three indexes (TrainingJobs, their JobSets, their worker pods) that the
+kopf's watch streams fill four indexes (TrainingJobs, their JobSets, their worker pods, the Nodes) that the
 runtime reads instead of the apiserver; kopf starts no handler before every index holds its initial
 listing, so a reconcile never decides on a half-filled cache. Every trigger (a TrainingJob seen or
 changed, a JobSet or worker pod event, the job's own next check) asks the runtime's schedule to run
@@ -17,6 +17,7 @@ import kopf
 from . import api
 from .jobset import JOBSET_GROUP, JOBSET_PLURAL, JOBSET_VERSION, LABEL_ATTEMPT, LABEL_NAME
 from .kube import KUEUE_GROUP, KUEUE_JOB_UID_LABEL, KUEUE_VERSION
+from .nodes import slim_node
 from .reconcile import TERMINAL_PHASES
 from .runtime import Runtime, slim_jobset, slim_pod, slim_workload, without_managed_fields
 
@@ -71,6 +72,13 @@ async def tpujob_pods(namespace: str | None, labels: kopf.Labels, body: kopf.Bod
     return {(namespace or "", labels[LABEL_NAME]): slim_pod(body)}
 
 
+@kopf.index("", "v1", "nodes")
+async def tpujob_nodes(name: str, body: kopf.Body, **_: Any) -> dict[str, Any]:
+    # Every node of the cluster, slimmed (nodes.slim_node): whose failure a failed attempt was
+    # (nodes.py) is told by the nodes under its pods, which outlive the operator's memory.
+    return {name: slim_node(body)}
+
+
 async def tpujob_workloads(labels: kopf.Labels, body: kopf.Body, **_: Any) -> dict[str, Any]:
     return {labels[KUEUE_JOB_UID_LABEL]: slim_workload(body)}
 
@@ -87,7 +95,12 @@ def watch_kueue_workloads() -> None:
 def _attach(indexes: dict[str, Any]) -> None:
     """Hand kopf's index objects (passed to every handler) to the runtime, once."""
     if not RUNTIME.indexes:
-        names = {"tpujob_trainingjobs": "trainingjobs", "tpujob_jobsets": "jobsets", "tpujob_pods": "pods"}
+        names = {
+            "tpujob_trainingjobs": "trainingjobs",
+            "tpujob_jobsets": "jobsets",
+            "tpujob_pods": "pods",
+            "tpujob_nodes": "nodes",
+        }
         RUNTIME.indexes = {ours: indexes[kopfs] for kopfs, ours in names.items()}
         if "tpujob_workloads" in indexes:
             RUNTIME.indexes["workloads"] = indexes["tpujob_workloads"]

@@ -16,7 +16,16 @@ import dataclasses
 from datetime import datetime
 
 from . import goodput
-from .api import FailureRecord, FailureTimeline, Phase, QueueStatus, Stage, TrainingJob, TrainingJobStatus
+from .api import (
+    FailureEvidence,
+    FailureRecord,
+    FailureTimeline,
+    Phase,
+    QueueStatus,
+    Stage,
+    TrainingJob,
+    TrainingJobStatus,
+)
 from .facts import Actions, Event, JobSetFacts, Observed, PodFacts
 from .jobset import jobset_name
 from .restarts import (
@@ -27,6 +36,7 @@ from .restarts import (
     classify_jobset_failure,
     counts_against_budget,
     expired,
+    node_verdict_wait,
 )
 from .status import parse_time, rfc3339, rfc3339_precise, set_condition, with_observations, with_phase
 
@@ -154,7 +164,12 @@ def _decide(tj: TrainingJob, observed: Observed) -> tuple[TrainingJobStatus, Act
     # JobSet's Failed condition, saves the time the Job controller spends waiting for the slice's
     # other pods to terminate before it marks the Job failed.
     if current.state == "Failed" or any(p.phase == "Failed" for p in current.pods):
-        return _after_failure(tj, status, observed, actions, current, classify_jobset_failure(current))
+        failure = classify_jobset_failure(current, observed.nodes, now)
+        # A failure that would count waits (briefly) while a pod still runs: it may be the dead host's.
+        if (wait := node_verdict_wait(current, failure, observed.nodes, now)) is not None:
+            actions.requeue_after = wait
+            return status, actions
+        return _after_failure(tj, status, observed, actions, current, failure)
     return _while_active(tj, status, observed, actions, current)
 
 
@@ -514,6 +529,7 @@ def _after_failure(
         lost_steps=lost,
         counted=counted,
         timeline=FailureTimeline(failed=rfc3339_precise(failure.time or now), detected=rfc3339_precise(now)),
+        evidence=_evidence_record(failure),
     )
     status.lost_steps += lost or 0
     where = f"slice {failure.slice}" if failure.slice is not None else "a slice"
@@ -569,6 +585,16 @@ def _given_up(
     actions.stop += [n for n in released.stop if n not in actions.stop and n not in actions.delete]
     actions.requeue_after = released.requeue_after
     return status, actions
+
+
+def _evidence_record(failure: Failure) -> FailureEvidence | None:
+    """What the nodes said, recorded with the decision it made (the status write precedes every action)."""
+    found = failure.evidence
+    if found is None:
+        return None
+    return FailureEvidence(
+        node=found.node, pod=found.pod, signal=found.reason, detail=found.detail, since=rfc3339(found.since)
+    )
 
 
 def with_creation_refused(status: TrainingJobStatus, message: str, permanent: bool, now: datetime) -> TrainingJobStatus:

@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 
 from tpujob_contract import ExitCode
 
 from .api import FailureKind, RestartSpec
-from .facts import JobSetFacts, PodFacts
+from .facts import JobSetFacts, NodeFacts, PodFacts
+from .nodes import Evidence, infrastructure_evidence, verdict_wait
 
 # The trainer's exit codes that name a cause (the contract; trainer_image/README.md, "Exit codes"):
 # exit code -> (kind, reason, what the pod did).
@@ -34,6 +36,8 @@ _INFRASTRUCTURE_DISRUPTIONS: dict[str, FailureKind] = {
     "DeletionByPodGC": "NodeLost",  # node object deleted
 }
 _NODE_LOST_POD_REASONS = {"NodeLost", "NodeShutdown", "Terminated"}
+# Kinds that blame the job, which the nodes under its pods can show to be the infrastructure's (nodes.py).
+_NODE_ATTRIBUTABLE: frozenset[FailureKind] = frozenset({"ApplicationError", "Unknown"})
 
 
 @dataclass(frozen=True)
@@ -43,6 +47,7 @@ class Failure:
     message: str
     slice: int | None
     time: datetime | None
+    evidence: Evidence | None = None  # the node signal that made it the infrastructure's
 
 
 def classify_pod(pod: PodFacts) -> Failure | None:
@@ -73,9 +78,35 @@ def classify_pod(pod: PodFacts) -> Failure | None:
     return Failure("Unknown", pod.reason or "PodFailed", f"pod {pod.name} failed", pod.slice, pod.finished_at)
 
 
-def classify_jobset_failure(jobset: JobSetFacts) -> Failure:
+def classify_jobset_failure(
+    jobset: JobSetFacts, nodes: Mapping[str, NodeFacts] | None = None, now: datetime | None = None
+) -> Failure:
     """The root cause of a failed JobSet: the earliest failed pod (later ones are usually its
-    collateral, e.g. peers timing out in a collective), else what JobSet's condition says."""
+    collateral, e.g. peers timing out in a collective), else what JobSet's condition says. One that
+    would blame the job is the infrastructure's when the nodes under the attempt's pods say so
+    (`nodes`: by name, see nodes.infrastructure_evidence; None: nodes unknown)."""
+    failure = _earliest_failure(jobset)
+    if nodes is None or now is None or failure.kind not in _NODE_ATTRIBUTABLE:
+        return failure
+    evidence = infrastructure_evidence(jobset.pods, nodes, failure.time or now, now)
+    if evidence is None:
+        return failure
+    message = f"pod {evidence.pod} is on node {evidence.node}: {evidence.detail} (first failure: {failure.message})"
+    where = evidence.slice if evidence.slice is not None else failure.slice
+    return Failure(evidence.kind, evidence.reason, message, where, failure.time, evidence)
+
+
+def node_verdict_wait(
+    jobset: JobSetFacts, failure: Failure, nodes: Mapping[str, NodeFacts] | None, now: datetime
+) -> float | None:
+    """Seconds to hold the decision on a failure that would count while the nodes may still show it to
+    be the infrastructure's (nodes.verdict_wait); None: decide now."""
+    if nodes is None or failure.time is None or failure.kind not in _NODE_ATTRIBUTABLE:
+        return None
+    return verdict_wait(jobset.pods, failure.time, now)
+
+
+def _earliest_failure(jobset: JobSetFacts) -> Failure:
     failures = [f for f in (classify_pod(p) for p in jobset.pods) if f is not None]
     if failures:
         dated = [f for f in failures if f.time is not None]

@@ -17,12 +17,12 @@ from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from datetime import UTC, datetime
-from typing import Any
+from typing import Any, cast
 
 from kubernetes.client.exceptions import ApiException
 from pydantic import ValidationError
 
-from . import api, checkpoints, maxtext, policy
+from . import api, checkpoints, maxtext, nodes, policy
 from .facts import Actions, Observed
 from .jobset import (
     LABEL_ATTEMPT,
@@ -124,10 +124,12 @@ def newest(*bodies: dict[str, Any] | None) -> dict[str, Any] | None:
 
 
 def slim_pod(body: Mapping[str, Any]) -> dict[str, Any]:
-    """What the operator reads of a worker pod (metadata and status; no spec): kept per cached pod."""
+    """What the operator reads of a worker pod (metadata, status, the node it is bound to): kept per cached pod."""
     meta = body.get("metadata") or {}
     kept = ("name", "namespace", "labels", "annotations", "creationTimestamp", "deletionTimestamp", "uid")
-    return {"metadata": {k: meta[k] for k in kept if k in meta}, "status": dict(body.get("status") or {})}
+    slim = {"metadata": {k: meta[k] for k in kept if k in meta}, "status": dict(body.get("status") or {})}
+    node = (body.get("spec") or {}).get("nodeName")
+    return {**slim, "spec": {"nodeName": node}} if node else slim
 
 
 def without_managed_fields(body: Mapping[str, Any]) -> dict[str, Any]:
@@ -173,6 +175,8 @@ class Snapshot:
     pods: list[dict[str, Any]]
     # Kueue's newest Workload per queued JobSet uid (None: no index; the Workload is then LISTed)
     workloads: dict[str, dict[str, Any] | None] | None = None
+    # The Nodes the pods are bound to, by name (a name bound but absent: gone); None: no node index.
+    nodes: dict[str, dict[str, Any]] | None = None
 
 
 @dataclass
@@ -306,7 +310,16 @@ class Runtime:
                 js["metadata"].get("uid") for js in jobsets if api.QUEUE_LABEL in (js["metadata"].get("labels") or {})
             ]
             workloads = {uid: _newest_workload(self.indexes["workloads"].get(uid, ())) for uid in queued if uid}
-        return Snapshot(key, dict(body), jobsets, pods, workloads)
+        return Snapshot(key, dict(body), jobsets, pods, workloads, self._nodes_under(pods))
+
+    def _nodes_under(self, pods: Iterable[dict[str, Any]]) -> dict[str, dict[str, Any]] | None:
+        """The cached Nodes the pods are bound to (only those: the index holds every node of the cluster)."""
+        if "nodes" not in self.indexes:
+            return None
+        bound = {str(node) for p in pods if (node := (p.get("spec") or {}).get("nodeName"))}
+        index = cast(Mapping[str, Iterable[dict[str, Any]]], self.indexes["nodes"])  # keyed by node name
+        found = {name: next(iter(index.get(name, ())), None) for name in bound}
+        return {name: body for name, body in found.items() if body is not None}
 
     async def reconcile(self, key: JobKey) -> float | None:
         """Reconcile one job (in a worker thread); the delay of its next check, None if none is due."""
@@ -494,6 +507,7 @@ class Runtime:
             storage_error=error,
             foreign_pods=len(foreign_running),
             queue_name=queue_name(tj, self.default_queue),
+            nodes=None if snapshot.nodes is None else {n: nodes.node_facts(b) for n, b in snapshot.nodes.items()},
         )
 
     def _slowly(self, key: JobKey, what: str, look: Callable[..., Any], *args: Any) -> Any:
