@@ -64,9 +64,11 @@ def test_cluster_role_is_least_privilege():
     verbs = {v for rule in role["rules"] for v in rule["verbs"]}
     assert "*" not in resources and "*" not in verbs
     assert "secrets" not in resources and "namespaces" not in resources
-    assert resources == NAMESPACED_RESOURCES | {"customresourcedefinitions"}
+    assert resources == NAMESPACED_RESOURCES | {"customresourcedefinitions", "nodes"}
     pod_rule = next(rule for rule in role["rules"] if rule["resources"] == ["pods"])
     assert pod_rule["verbs"] == ["list", "watch", "deletecollection"]
+    node_rule = next(rule for rule in role["rules"] if rule["resources"] == ["nodes"])
+    assert node_rule["verbs"] == ["get", "list", "watch"]  # read only: whose failure it was
 
 
 def test_watched_namespaces_get_roles_and_only_api_watching_stays_cluster_wide():
@@ -77,6 +79,9 @@ def test_watched_namespaces_get_roles_and_only_api_watching_stays_cluster_wide()
         ("customresourcedefinitions", "watch"),
         ("namespaces", "list"),  # kopf resolves the watched namespaces
         ("namespaces", "watch"),
+        ("nodes", "get"),  # cluster-scoped: whose failure a failed attempt was
+        ("nodes", "list"),
+        ("nodes", "watch"),
     }
     unscoped = _named(render(), "ClusterRole", "tpujob")
     for namespace in ("ml", "research"):
@@ -228,6 +233,8 @@ def test_helm_install_creates_accepted_objects(control_plane, kube, namespace):
     assert not _allowed(kube, operator, "default", "create", "jobset.x-k8s.io", "jobsets")
     assert not _allowed(kube, operator, "default", "list", "", "pods")
     assert _allowed(kube, operator, None, "watch", "apiextensions.k8s.io", "customresourcedefinitions")
+    assert _allowed(kube, operator, None, "watch", "", "nodes")
+    assert not _allowed(kube, operator, None, "patch", "", "nodes")
     # tpujob-edit/-view reach the built-in edit/view (kube-controller-manager aggregates them): a person
     # bound to `edit` in a namespace may run TrainingJobs there, one bound to `view` may only read them.
     for built_in in ("edit", "view", "admin"):
