@@ -88,6 +88,15 @@ class Cluster:
             },
         )
 
+    def complete(self, jobset: Any) -> None:
+        """What the JobSet controller reports when every worker exited 0."""
+        condition = {"type": "Completed", "status": "True", "reason": "AllJobsCompleted", "lastTransitionTime": _now(),
+                     "message": "jobset completed successfully"}  # fmt: skip
+        self.custom.patch_namespaced_custom_object_status(
+            JOBSET_GROUP, JOBSET_VERSION, self.namespace, JOBSET_PLURAL, jobset["metadata"]["name"],
+            {"status": {"conditions": [condition]}},
+        )  # fmt: skip
+
     def fail_pod(self, jobset: Any, slice_index: int, exit_code: int) -> None:
         """What kubelet reports when the worker process of one slice exits with `exit_code`."""
         meta = jobset["metadata"]
@@ -218,6 +227,25 @@ def test_a_job_failed_while_the_operator_was_down_loses_its_jobset_when_it_is_ba
     start_operator()
     eventually(lambda: cluster.all_jobsets() == [], timeout=60, what="no JobSet left by the finished job")
     assert cluster.status(unique_name)["phase"] == "Failed"
+
+
+def test_a_run_completed_short_of_its_final_step_resumes_and_succeeds_only_at_it(operator, cluster, unique_name):
+    run = f"runs/{cluster.namespace}/{unique_name}"
+    bucket = storage.Client(project="t", credentials=checkpoints.AnonymousCredentials()).bucket(TEST_BUCKET)
+    _write_checkpoint(bucket, run, 200, committed=True)
+    cluster.apply(training_job_manifest(unique_name, args=["--model", "tiny", "--steps", "300"]))
+    first = eventually(lambda: cluster.jobset(f"{unique_name}-a0"), what="JobSet a0")
+    cluster.complete(first)  # every pod was stopped and exited 0 at committed step 200
+    second = eventually(lambda: cluster.jobset(f"{unique_name}-a1"), what="JobSet a1")
+    assert second["metadata"]["annotations"]["tpujob.dev/resume-step"] == "200"
+    status = cluster.status(unique_name)
+    assert (status["phase"], status["lastFailure"]["kind"], status["countedRestarts"]) == (
+        "Restarting", "Preemption", 0)  # fmt: skip
+    _write_checkpoint(bucket, run, 300, committed=True)  # the final step, committed
+    cluster.complete(second)
+    done = eventually(lambda: (s := cluster.status(unique_name)).get("phase") == "Succeeded" and s, what="Succeeded")
+    assert done["latestCheckpoint"]["step"] == 300
+    assert cluster.all_jobsets() == [f"{unique_name}-a1"]  # a Succeeded job keeps its completed JobSet
 
 
 def test_preemption_is_restarted_without_spending_the_budget(operator, cluster, unique_name):

@@ -3,7 +3,7 @@
 from datetime import UTC, datetime, timedelta
 
 from tpujob_operator.facts import JobSetFacts, Observed, PodFacts, Progress
-from tpujob_operator.reconcile import reconcile
+from tpujob_operator.reconcile import final_step, reconcile
 from tpujob_operator.status import rfc3339
 
 from .factories import training_job
@@ -134,10 +134,53 @@ def test_terminal_jobs_decide_nothing_but_keep_only_a_succeeded_jobset():
     assert (actions.delete, actions.stop, actions.requeue_after) == ([], [], None)
 
 
-def test_completed_jobset_succeeds():
-    tj = training_job(status={"phase": "Running", "attempt": 0})
-    status, _ = reconcile(tj, Observed(now=T0, jobsets=(_active(state="Completed"),)))
+def test_completed_jobset_succeeds_once_the_final_step_is_committed():
+    tj = training_job(status={"phase": "Running", "attempt": 0})  # the trainer's default: 100 steps
+    status, _ = reconcile(tj, Observed(now=T0, jobsets=(_active(state="Completed"),), latest_committed_step=100))
     assert status.phase == "Succeeded" and status.completion_time == rfc3339(T0)
+
+
+def test_a_jobset_that_completes_short_of_the_final_step_is_a_preemption_and_training_resumes():
+    tj = training_job(args=["--model", "tiny", "--steps", "500"], status={"phase": "Running", "attempt": 0})
+    completed = _active(state="Completed")
+    status, actions = reconcile(tj, Observed(now=T0, jobsets=(completed,), latest_committed_step=200))
+    assert status.phase == "Restarting" and status.completion_time is None
+    failure = status.last_failure
+    assert (failure.kind, failure.reason, failure.counted, failure.resume_step) == ("Preemption", "CompletedShort",
+                                                                                   False, 200)  # fmt: skip
+    assert "short of the final step 500" in failure.message
+    assert (status.attempt, status.counted_restarts, actions.delete) == (1, 0, ["llama-a0"])
+    # The next attempt completes at the same committed step again: counted, so the budget bounds a loop.
+    again = training_job(
+        args=["--model", "tiny", "--steps", "500"],
+        status={**status.model_dump(by_alias=True, exclude_none=True), "nextRestartTime": None},
+    )
+    status, _ = reconcile(again, Observed(now=T0, jobsets=(_active(attempt=1, state="Completed"),),
+                                          latest_committed_step=200))  # fmt: skip
+    assert (status.last_failure.kind, status.last_failure.counted, status.counted_restarts) == (
+        "ApplicationError", True, 1)  # fmt: skip
+
+
+def test_a_completion_is_not_success_while_storage_cannot_confirm_the_final_step():
+    tj = training_job(status={"phase": "Running", "attempt": 0})
+    observed = Observed(now=T0, jobsets=(_active(state="Completed"),), latest_committed_step=100, storage_error="503")
+    status, actions = reconcile(tj, observed)
+    assert status.phase == "Running" and _conditions(status)["Running"] == ("True", "ConfirmingCompletion")
+    assert actions.fresh_storage and actions.delete == [] and actions.create_attempt is None
+
+
+def test_the_final_step_comes_from_the_trainer_flags_or_maxtexts():
+    def final(**spec):
+        return final_step(training_job(**spec))
+
+    assert final() == 100  # the trainer's default
+    assert final(args=["--steps", "7", "--model", "tiny", "--steps=500"]) == 500  # argparse: the last wins
+    assert final(args=["--step", "300"]) == 300  # an unambiguous prefix
+    assert final(env=[{"name": "TPUJOB_STEPS", "value": "40"}]) == 40
+    assert final(args=["--steps", "many"]) is None
+    assert final(framework="maxtext", args=["steps=300"]) == 299  # MaxText's loop ends at steps - 1
+    assert final(framework="maxtext", args=["steps=-1"]) is None
+    assert final(framework="maxtext", args=[]) == 150_000
 
 
 def test_no_progress_for_the_hang_timeout_is_a_counted_hang():

@@ -153,3 +153,5 @@ class Actions:
     set_suspend: tuple[str, bool] | None = None
     events: list[Event] = field(default_factory=list)
     requeue_after: float | None = None
+    # Decide again on a fresh read of storage, though nothing else changes (a completion to confirm).
+    fresh_storage: bool = False

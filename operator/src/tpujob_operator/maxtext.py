@@ -259,6 +259,23 @@ def _last_flag(args: Sequence[str], key: str) -> str | None:
     return value
 
 
+# MaxText's `steps` when the args do not set it (configs/base.yml); -1 inherits learning_rate_schedule_steps.
+DEFAULT_STEPS = 150_001
+
+
+def final_step(args: Sequence[str]) -> int | None:
+    """The step of MaxText's last checkpoint when it trains to the end: its loop runs steps 0 ..
+    steps - 1 and saves the last one on completion. None when the args do not say (steps=-1, a value
+    that is not a number, or save_checkpoint_on_completion=false: no final checkpoint is written)."""
+    if (_last_flag(args, "save_checkpoint_on_completion") or "true").lower() in ("false", "0", "no"):
+        return None
+    try:
+        steps = int((_last_flag(args, "steps") or str(DEFAULT_STEPS)).replace("_", ""))
+    except ValueError:
+        return None
+    return steps - 1 if steps > 0 else None
+
+
 def metrics_window(args: Sequence[str], latest_committed: int | None) -> tuple[bool, int]:
     """Whether gcs_metrics is on, and the first step of the metrics file that holds the latest commit
     (files are listed from there: bounded by the steps trained since the last commit)."""

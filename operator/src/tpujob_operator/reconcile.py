@@ -15,7 +15,7 @@ from __future__ import annotations
 import dataclasses
 from datetime import datetime
 
-from . import goodput
+from . import goodput, maxtext
 from .api import (
     FailureEvidence,
     FailureRecord,
@@ -152,10 +152,7 @@ def _decide(tj: TrainingJob, observed: Observed) -> tuple[TrainingJobStatus, Act
             return _enter(status, "Suspended", "Suspended", "spec.suspend is true", "Suspended", now), actions
         return _without_jobset(tj, status, observed, actions)
     if current.state == "Completed":
-        status.completion_time = rfc3339(now)
-        actions.events.append(Event("Normal", "Succeeded", f"training finished at step {status.step}"))
-        done = with_phase(status, "Succeeded", "JobSetCompleted", f"JobSet {current.name} completed", now)
-        return _staged(done, "Finished", now), actions
+        return _completed(tj, status, observed, actions, current)
     if tj.spec.suspend or current.state == "Suspended" or current.resuming:
         # Pods stopped by a suspension exit 143 after saving: that is not a failure, never classified.
         return _suspension(tj, status, observed, actions, current)
@@ -334,6 +331,66 @@ def _with_later_resume_point(status: TrainingJobStatus, latest: int | None) -> N
     lost = max(0, failure.step - latest) if failure.step is not None else None
     status.lost_steps -= (failure.lost_steps or 0) - (lost or 0)
     status.last_failure = failure.model_copy(update={"resume_step": latest, "lost_steps": lost})
+
+
+# The tpujob trainer's --steps when neither its args nor TPUJOB_STEPS set it (trainer_image config.py).
+TRAINER_DEFAULT_STEPS = 100
+_TRAINER_STEPS_FLAG = "--steps"
+
+
+def final_step(tj: TrainingJob) -> int | None:
+    """The step a run that trained to the end has committed last: the trainer's --steps (argparse:
+    the last one wins, `--steps N` or `--steps=N`, an unambiguous prefix too), else TPUJOB_STEPS in
+    spec.env, else its default; MaxText's from its own flags. None when the spec does not say."""
+    if tj.spec.framework == maxtext.FRAMEWORK:
+        return maxtext.final_step(tj.spec.args or [])
+    args, value = list(tj.spec.args or []), None
+    env = {e.name: e for e in tj.spec.env or []}
+    if "TPUJOB_STEPS" in env:
+        value = env["TPUJOB_STEPS"].value  # None: from a source the operator cannot read
+        if value is None:
+            return None
+    for i, arg in enumerate(args):
+        flag, equals, inline = arg.partition("=")
+        if len(flag) >= 4 and _TRAINER_STEPS_FLAG.startswith(flag):
+            value = inline if equals else (args[i + 1] if i + 1 < len(args) else None)
+    try:
+        return int(value) if value is not None else TRAINER_DEFAULT_STEPS
+    except ValueError:
+        return None
+
+
+def _completed(
+    tj: TrainingJob, status: TrainingJobStatus, observed: Observed, actions: Actions, current: JobSetFacts
+) -> tuple[TrainingJobStatus, Actions]:
+    """Every worker exited 0. That is success only when the final step is committed: a run whose pods
+    were all stopped (an eviction, maintenance) saves and may exit 0 too (MaxText does), short of it.
+    The decision reads storage afresh to know."""
+    now = observed.now
+    final, latest = final_step(tj), observed.latest_committed_step
+    if final is not None and observed.storage_error is not None:
+        actions.fresh_storage = True
+        actions.requeue_after = STORAGE_RETRY_SECONDS
+        message = (
+            f"JobSet {current.name} completed; waiting for checkpoint storage to confirm the final step {final} "
+            f"is committed: {observed.storage_error}"
+        )
+        phase: Phase = status.phase if status.phase in ("Running", "Restarting", "Pending") else "Running"
+        return with_phase(status, phase, "ConfirmingCompletion", message, now), actions
+    if final is not None and (latest is None or latest < final):
+        committed = "no committed step" if latest is None else f"committed step {latest}"
+        message = f"JobSet {current.name} completed at {committed}, short of the final step {final}"
+        previous = status.last_failure
+        again = previous is not None and previous.reason == "CompletedShort" and previous.resume_step == latest
+        if again:  # ended early twice without a new commit: counted, so the budget bounds it
+            failure = Failure("ApplicationError", "CompletedShort", f"{message}, again without progress", None, now)
+        else:  # its workers were stopped and saved: a preemption, training resumes
+            failure = Failure("Preemption", "CompletedShort", f"{message}: its workers were stopped", None, now)
+        return _after_failure(tj, status, observed, actions, current, failure)
+    status.completion_time = rfc3339(now)
+    actions.events.append(Event("Normal", "Succeeded", f"training finished at step {status.step}"))
+    done = with_phase(status, "Succeeded", "JobSetCompleted", f"JobSet {current.name} completed", now)
+    return _staged(done, "Finished", now), actions
 
 
 def _suspension(

@@ -374,7 +374,7 @@ class Runtime:
             return self._release(key, uid, self._refuse_for_policy(key, body, tj, problems), snapshot)
         observed = self._observe(key, tj, snapshot, deciding=False)
         status, actions = reconcile(tj, observed)
-        if _changes_the_world(actions) or status.phase in TERMINAL_PHASES:
+        if _changes_the_world(actions) or status.phase in TERMINAL_PHASES or actions.fresh_storage:
             # A decision reads storage afresh (the resume step, the steps lost, the final step) and is
             # made again on it.
             observed = self._observe(key, tj, snapshot, deciding=True)
