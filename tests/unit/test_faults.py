@@ -341,3 +341,27 @@ def test_a_job_failed_for_another_reason_stops_its_live_workers_with_their_save_
     live, other = _jobset(attempt=2, pods=(_scheduled(),)), _jobset(attempt=1, uid="old-uid")
     status, actions = reconcile(tj, Observed(now=T0, jobsets=(live, other)))
     assert status == tj.status and (actions.stop, actions.delete) == (["llama-a2"], [])
+
+
+# --- storage permission errors are not outages ---------------------------------------------------------
+
+
+def test_a_worker_refused_by_storage_fails_the_job_at_once_naming_the_bucket_and_the_identity():
+    tj = _running(restart={"maxRestarts": 5}, serviceAccountName="trainer")
+    pods = (_scheduled(phase="Failed", exit_code=5, finished_at=T0),)
+    status, actions = reconcile(tj, Observed(now=T0, jobsets=(_jobset(pods=pods),), latest_committed_step=40))
+    assert status.phase == "Failed" and _condition(status, "Failed")[1] == "StoragePermissionDenied"
+    message = _condition(status, "Failed")[2]
+    assert "gs://acme-ckpt" in message and "ServiceAccount ml/trainer" in message and "grant" in message
+    assert (status.restarts, status.counted_restarts, status.last_failure.counted) == (0, 0, False)
+    assert status.last_failure.kind == "StoragePermissionDenied"
+    assert actions.create_attempt is None and actions.delete == ["llama-a0"]  # and it holds no slice
+
+
+def test_the_operators_own_storage_refusal_is_a_condition_of_its_own_not_an_outage():
+    tj = _running()
+    refused = "listing gs://acme-ckpt/runs/ml/llama/checkpoints: permission denied (403): ... gs://acme-ckpt ..."
+    observed = Observed(now=T0, jobsets=(_jobset(pods=(_scheduled(),)),), storage_error=refused, storage_denied=True)
+    status, _ = reconcile(tj, observed)
+    assert _condition(status, "CheckpointStorageReachable") == ("False", "PermissionDenied", refused)
+    assert _condition(status, "Running")[1] == "StoragePermissionDenied"

@@ -65,3 +65,13 @@ def test_backoff_doubles_for_counted_failures_and_is_capped():
     policy = RestartSpec(backoff_seconds=10, max_backoff_seconds=60)
     assert [backoff(policy, n, True).total_seconds() for n in (1, 2, 3, 4, 5)] == [10, 20, 40, 60, 60]
     assert backoff(policy, 4, False).total_seconds() == 10
+
+
+def test_a_storage_refusal_is_terminal_and_never_counted():
+    from tpujob_operator.restarts import TERMINAL_KINDS
+
+    failure = classify_pod(PodFacts("p", 0, "Failed", exit_code=5))
+    assert failure is not None and failure.kind == "StoragePermissionDenied"
+    assert failure.kind in TERMINAL_KINDS and not counts_against_budget(
+        failure.kind, RestartSpec(count_preemptions=True)
+    )

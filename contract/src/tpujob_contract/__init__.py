@@ -134,6 +134,7 @@ class ExitCode(enum.IntEnum):
     BAD_CONFIG = 2
     STORAGE = 3  # checkpoint storage unreachable for TPUJOB_STORAGE_WAIT_SECONDS at start
     CHECKPOINT_INCOMPATIBLE = 4  # no committed checkpoint could be restored (e.g. a changed model)
+    STORAGE_PERMISSION_DENIED = 5  # checkpoint storage answered 401/403: the workers' identity may not use it
     PREEMPTED = 143  # 128 + SIGTERM: stopped by SIGTERM, after saving the current step
 
 

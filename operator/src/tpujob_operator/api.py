@@ -70,6 +70,7 @@ FailureKind = Literal[
     "NodeLost",
     "StorageUnavailable",
     "CheckpointIncompatible",
+    "StoragePermissionDenied",
     "Unknown",
 ]
 # Which clock a live job is on; each has its own deadline (spec.restart.*TimeoutSeconds).

@@ -32,6 +32,24 @@ class StorageError(RuntimeError):
     """GCS could not be read; the message says where and why."""
 
 
+class StoragePermissionError(StorageError):
+    """GCS refused the operator's own identity (401/403): a grant to fix, not an outage to wait out."""
+
+
+_DENIED = (gcs_errors.Unauthorized, gcs_errors.Forbidden)
+
+
+def storage_error(what: str, run_dir: str, error: Exception) -> StorageError:
+    """The StorageError for a failed read: a refusal names the bucket and the grant it needs."""
+    if isinstance(error, _DENIED):
+        bucket, _ = split_gs_path(run_dir)
+        return StoragePermissionError(
+            f"{what}: permission denied ({error.code}): the operator's identity may not read gs://{bucket}; "
+            f"grant its GCP service account roles/storage.objectViewer on gs://{bucket}"
+        )
+    return StorageError(f"{what} failed: {error}")
+
+
 def split_gs_path(path: str) -> tuple[str, str]:
     if not path.startswith("gs://"):
         raise ValueError(f"not a gs:// path: {path!r}")
@@ -67,7 +85,7 @@ def latest_committed_step(client: storage.Client, run_dir: str) -> int | None:
             if bucket.blob(f"{checkpoints}{step}/{COMMIT_MARKER}").exists(timeout=_TIMEOUT_SECONDS, retry=_RETRY):
                 return step
     except _STORAGE_FAILURES as error:
-        raise StorageError(f"listing {run_dir}/checkpoints failed: {error}") from error
+        raise storage_error(f"listing {run_dir}/checkpoints", run_dir, error) from error
     return None
 
 
@@ -118,7 +136,7 @@ def read_progress(client: storage.Client, run_dir: str) -> Progress | None:
     except gcs_errors.NotFound:
         return None
     except _STORAGE_FAILURES as error:
-        raise StorageError(f"reading {run_dir}/{PROGRESS_FILE} failed: {error}") from error
+        raise storage_error(f"reading {run_dir}/{PROGRESS_FILE}", run_dir, error) from error
     except (ValueError, KeyError) as error:
         raise StorageError(f"{run_dir}/{PROGRESS_FILE} is malformed: {error}") from error
 
@@ -133,6 +151,7 @@ class RunView:
     progress: Progress | None = None
     progress_generation: int | None = None  # GCS generation of the record `progress` was parsed from
     error: str | None = None  # the last read failed: reported until a read succeeds
+    denied: bool = False  # that failure was a refusal of the operator's identity (401/403)
 
 
 def refresh_progress(client: storage.Client, run_dir: str, view: RunView) -> RunView:
@@ -148,7 +167,7 @@ def refresh_progress(client: storage.Client, run_dir: str, view: RunView) -> Run
     except gcs_errors.NotFound:
         return replace(view, progress=None, progress_generation=None, error=None)
     except _STORAGE_FAILURES as error:
-        raise StorageError(f"reading {run_dir}/{PROGRESS_FILE} failed: {error}") from error
+        raise storage_error(f"reading {run_dir}/{PROGRESS_FILE}", run_dir, error) from error
     if known is not None and blob.generation == known:  # a server that ignores the condition
         return replace(view, error=None)
     try:

@@ -124,6 +124,7 @@ class Observed:
     latest_committed_step: int | None = None
     progress: Progress | None = None
     storage_error: str | None = None  # GCS could not be read: reported, never fatal
+    storage_denied: bool = False  # ... because it refused the operator's identity (401/403)
     # Worker pods left by an earlier TrainingJob of the same name (deleted with --cascade=orphan):
     # this incarnation starts only once they are gone, since both would write one run directory.
     foreign_pods: int = 0

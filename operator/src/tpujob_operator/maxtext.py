@@ -341,7 +341,7 @@ def read_progress(
                 if last is not None and blob.updated is not None:
                     files.append(MetricsFile(last, blob.updated))
     except failures as error:
-        raise checkpoints.StorageError(f"reading MaxText's progress under {tj.run_dir} failed: {error}") from error
+        raise checkpoints.storage_error(f"reading MaxText's progress under {tj.run_dir}", tj.run_dir, error) from error
     return progress(
         uid=tj.metadata.get("uid"),
         attempt=current.attempt,

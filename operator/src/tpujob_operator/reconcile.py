@@ -229,7 +229,10 @@ def _with_storage(status: TrainingJobStatus, observed: Observed, actions: Action
     if previous and not error:
         update["storage_recovery_time"] = rfc3339(observed.now)
         actions.events.append(Event("Normal", "CheckpointStorageReachable", "checkpoint storage is readable again"))
-    reason, message = ("Unreachable", error) if error else ("Readable", "the run directory can be read")
+    if error:  # a refusal of the operator's identity is a grant to fix, not an outage to wait out
+        reason, message = ("PermissionDenied" if observed.storage_denied else "Unreachable"), error
+    else:
+        reason, message = "Readable", "the run directory can be read"
     update["conditions"] = set_condition(
         status.conditions, STORAGE_CONDITION, error is None, reason, message, observed.now
     )
@@ -499,7 +502,8 @@ def _while_active(
         # Progress is unknown, so no clock may decide anything: keep what was known and say why.
         message = f"checkpoint storage unreadable, no timeout applies until it is back: {observed.storage_error}"
         phase = status.phase if status.phase in ("Running", "Restarting", "Pending") else waiting_phase
-        return with_phase(status, phase or "Pending", "StorageUnreachable", message, now), actions
+        reason = "StoragePermissionDenied" if observed.storage_denied else "StorageUnreachable"
+        return with_phase(status, phase or "Pending", reason, message, now), actions
     floor = _clock_floor(status, current)
     started = current.resumed_at or current.created
     progress = observed.progress
@@ -569,6 +573,8 @@ def _after_failure(
 ) -> tuple[TrainingJobStatus, Actions]:
     now = observed.now
     policy = tj.spec.restart
+    if failure.kind == "StoragePermissionDenied":
+        failure = dataclasses.replace(failure, message=f"{failure.message}: {_permission_advice(tj)}")
     counted = counts_against_budget(failure.kind, policy)
     latest = _known_latest_step(status, observed)
     progress = observed.progress
@@ -630,6 +636,17 @@ def _after_failure(
     if delay.total_seconds() <= 0:  # no backoff: the next attempt is created by this decision
         return _without_jobset(tj, status, observed, actions)
     return _staged(status, "BackingOff", now), actions
+
+
+def _permission_advice(tj: TrainingJob) -> str:
+    """Which bucket refused whom, and what fixes it (no restart does)."""
+    bucket = tj.spec.checkpoint.directory.removeprefix("gs://").partition("/")[0]
+    account = tj.spec.service_account_name or "default"
+    return (
+        f"the workers' identity (ServiceAccount {tj.namespace}/{account}, through Workload Identity its GCP "
+        f"service account) may not use bucket gs://{bucket}: grant it roles/storage.objectUser on the bucket, "
+        "then re-create the job"
+    )
 
 
 def _given_up(

@@ -22,11 +22,18 @@ _NAMED_EXITS: dict[int, tuple[FailureKind, str, str]] = {
         "CheckpointIncompatible",
         "could restore no committed checkpoint (exit 4); the model no longer matches the run directory's checkpoints",
     ),
+    ExitCode.STORAGE_PERMISSION_DENIED: (
+        "StoragePermissionDenied",
+        "StoragePermissionDenied",
+        "was refused by checkpoint storage (exit 5: 401/403)",
+    ),
 }
 # Kinds that no restart can fix: the job fails at once, without spending the budget.
-TERMINAL_KINDS: frozenset[FailureKind] = frozenset({"CheckpointIncompatible"})
+TERMINAL_KINDS: frozenset[FailureKind] = frozenset({"CheckpointIncompatible", "StoragePermissionDenied"})
 # Kinds that are not the job's fault and never count against maxRestarts.
-_NEVER_COUNTED: frozenset[FailureKind] = frozenset({"StorageUnavailable", "CheckpointIncompatible"})
+_NEVER_COUNTED: frozenset[FailureKind] = frozenset(
+    {"StorageUnavailable", "CheckpointIncompatible", "StoragePermissionDenied"}
+)
 # DisruptionTarget reasons (pod condition set by Kubernetes) and what they mean for a TPU slice.
 _INFRASTRUCTURE_DISRUPTIONS: dict[str, FailureKind] = {
     "PreemptionByScheduler": "Preemption",

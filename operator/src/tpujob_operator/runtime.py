@@ -453,7 +453,7 @@ class Runtime:
                 view = checkpoints.refresh_latest(self.storage(), tj.run_dir, view)
             view = checkpoints.with_reported_commit(view)
         except checkpoints.StorageError as failure:
-            view = replace(view, error=str(failure))
+            view = replace(view, error=str(failure), denied=isinstance(failure, checkpoints.StoragePermissionError))
         self.runs[key] = view
         return view, reads
 
@@ -471,7 +471,7 @@ class Runtime:
         attempt_pods = [p for p in ours if (p["metadata"].get("labels") or {}).get(LABEL_ATTEMPT) == attempt]
         workers_running = any((p.get("status") or {}).get("phase") == "Running" for p in attempt_pods)
         view, reads = self._read_storage(key, tj, workers_running, deciding)
-        progress, error = view.progress, view.error
+        progress, error, denied = view.progress, view.error, view.denied
         facts = []
         for js in snapshot.jobsets:
             labels = js["metadata"].get("labels") or {}
@@ -498,13 +498,14 @@ class Runtime:
                 progress = maxtext.read_progress(self.storage(), tj, view.latest_committed_step, facts)
                 self.runs[key] = replace(view, progress=progress)
             except checkpoints.StorageError as failure:
-                error = str(failure)
+                error, denied = str(failure), isinstance(failure, checkpoints.StoragePermissionError)
         return Observed(
             now=datetime.now(UTC),
             jobsets=tuple(facts),
             latest_committed_step=view.latest_committed_step,
             progress=progress,
             storage_error=error,
+            storage_denied=denied and error is not None,
             foreign_pods=len(foreign_running),
             queue_name=queue_name(tj, self.default_queue),
             nodes=None if snapshot.nodes is None else {n: nodes.node_facts(b) for n, b in snapshot.nodes.items()},
