@@ -178,3 +178,26 @@ def test_nothing_is_remembered_of_a_job_once_it_is_deleted(operator, cluster, un
     eventually(lambda: handlers.RUNTIME.remembered(key) > 1, what="the failed pod remembered")
     cluster.custom.delete_namespaced_custom_object(api.GROUP, api.VERSION, cluster.namespace, api.PLURAL, unique_name)
     eventually(lambda: handlers.RUNTIME.remembered(key) == 0, what="memory of the job dropped")
+
+
+def test_a_record_claiming_a_commit_the_listing_does_not_show_never_pins_it(operator, cluster, unique_name):
+    import tpujob_contract as contract
+    from google.cloud import storage
+    from tpujob_operator import checkpoints
+
+    from ..conftest import TEST_BUCKET
+    from .test_operator import _write_checkpoint
+
+    run = f"runs/{cluster.namespace}/{unique_name}"
+    bucket = storage.Client(project="t", credentials=checkpoints.AnonymousCredentials()).bucket(TEST_BUCKET)
+    _write_checkpoint(bucket, run, 100, committed=True)
+    created = cluster.apply(training_job_manifest(unique_name))
+    first = eventually(lambda: cluster.jobset(f"{unique_name}-a0"), what="JobSet a0")
+    # This job's own record says step 300 committed; the bucket holds no such step (e.g. quarantined).
+    record = contract.ProgressRecord(step=310, attempt=0, updated_at=contract.now_rfc3339(),
+                                     uid=created["metadata"]["uid"], last_committed_step=300)  # fmt: skip
+    bucket.blob(f"{run}/{contract.PROGRESS_FILE}").upload_from_string(contract.to_json(record))
+    cluster.fail_slice(first, slice_index=0, exit_code=1)
+    second = eventually(lambda: cluster.jobset(f"{unique_name}-a1"), what="JobSet a1")
+    assert second["metadata"]["annotations"]["tpujob.dev/resume-step"] == "100"
+    assert cluster.status(unique_name)["lastFailure"]["resumeStep"] == 100

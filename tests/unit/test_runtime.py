@@ -55,9 +55,18 @@ def test_while_workers_end_their_last_records_are_read():
     [(None, 100, 100), (100, 100, 100), (90, 100, 100), (120, 100, 120), (5, None, 5)],
 )
 def test_a_newer_commit_the_trainer_reports_is_the_latest_without_a_listing(reported, listed, latest):
-    progress = Progress(step=130, attempt=0, updated_at=T0, last_committed_step=reported)
-    view = with_reported_commit(RunView(latest_committed_step=listed, listed=True, progress=progress))
+    progress = Progress(step=130, attempt=0, updated_at=T0, last_committed_step=reported, uid="u")
+    view = with_reported_commit(RunView(latest_committed_step=listed, listed=True, progress=progress), "u", 0, False)
     assert view.latest_committed_step == latest
+
+
+def test_only_this_jobs_current_record_reports_a_commit_and_never_against_a_listing():
+    progress = Progress(step=130, attempt=1, updated_at=T0, last_committed_step=300, uid="u")
+    view = RunView(latest_committed_step=100, listed=True, progress=progress)
+    assert with_reported_commit(view, "u", 1, listed_now=False).latest_committed_step == 300
+    assert with_reported_commit(view, "other-uid", 1, listed_now=False).latest_committed_step == 100  # foreign
+    assert with_reported_commit(view, "u", 2, listed_now=False).latest_committed_step == 100  # stale attempt
+    assert with_reported_commit(view, "u", 1, listed_now=True).latest_committed_step == 100  # the listing wins
 
 
 def _js(name, rv="1"):

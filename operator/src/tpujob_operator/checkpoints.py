@@ -176,11 +176,16 @@ def refresh_progress(client: storage.Client, run_dir: str, view: RunView) -> Run
         raise StorageError(f"{run_dir}/{PROGRESS_FILE} is malformed: {error}") from error
 
 
-def with_reported_commit(view: RunView) -> RunView:
+def with_reported_commit(view: RunView, uid: str | None, attempt: int, listed_now: bool) -> RunView:
     """The trainer reports a step in `last_committed_step` only once it saw the step's commit marker:
-    a newer one than the view's is taken as the latest committed step without listing the checkpoints
-    (decisions still list them)."""
-    reported = view.progress.last_committed_step if view.progress is not None else None
+    between listings, a newer one than the view's is shown as the latest committed step without
+    listing the checkpoints. Only a record of this job (its uid) and of its current attempt counts, and
+    never against a listing just made (`listed_now`): a decision lists, and its listing alone says
+    which steps exist, so a stale or foreign record never pins a step."""
+    progress = view.progress
+    if listed_now or progress is None or progress.uid != uid or progress.attempt != attempt:
+        return view
+    reported = progress.last_committed_step
     if reported is None or (view.latest_committed_step is not None and reported <= view.latest_committed_step):
         return view
     return replace(view, latest_committed_step=reported)

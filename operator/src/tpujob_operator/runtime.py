@@ -379,6 +379,9 @@ class Runtime:
             # made again on it.
             observed = self._observe(key, tj, snapshot, deciding=True)
             status, actions = reconcile(tj, observed)
+        if (within := policy.while_running(tj, status, actions, problems, datetime.now(UTC))) is None:
+            return self._release(key, uid, self._refuse_for_policy(key, body, tj, problems), snapshot)
+        status, actions = within
         self._apply(key, tj, body, status, actions, observed.queue_name)
         if status.phase != tj.status.phase:
             log.info(
