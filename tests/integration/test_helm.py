@@ -71,6 +71,14 @@ def test_cluster_role_is_least_privilege():
     assert node_rule["verbs"] == ["get", "list", "watch"]  # read only: whose failure it was
 
 
+def test_node_leases_are_only_read_one_by_one():
+    role = _named(render(), "Role", "tpujob-node-leases")
+    assert role["metadata"]["namespace"] == "kube-node-lease"
+    assert role["rules"] == [{"apiGroups": ["coordination.k8s.io"], "resources": ["leases"], "verbs": ["get"]}]
+    binding = _named(render(), "RoleBinding", "tpujob-node-leases")
+    assert binding["roleRef"]["name"] == "tpujob-node-leases" and binding["subjects"][0]["name"] == "tpujob"
+
+
 def test_watched_namespaces_get_roles_and_only_api_watching_stays_cluster_wide():
     docs = render("watchNamespaces={ml,research}")
     scoped = _named(docs, "ClusterRole", "tpujob")
@@ -235,6 +243,8 @@ def test_helm_install_creates_accepted_objects(control_plane, kube, namespace):
     assert _allowed(kube, operator, None, "watch", "apiextensions.k8s.io", "customresourcedefinitions")
     assert _allowed(kube, operator, None, "watch", "", "nodes")
     assert not _allowed(kube, operator, None, "patch", "", "nodes")
+    assert _allowed(kube, operator, "kube-node-lease", "get", "coordination.k8s.io", "leases")
+    assert not _allowed(kube, operator, "kube-node-lease", "list", "coordination.k8s.io", "leases")
     # tpujob-edit/-view reach the built-in edit/view (kube-controller-manager aggregates them): a person
     # bound to `edit` in a namespace may run TrainingJobs there, one bound to `view` may only read them.
     for built_in in ("edit", "view", "admin"):

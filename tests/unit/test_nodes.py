@@ -2,6 +2,7 @@
 makes of it. Node bodies are written as the apiserver returns them (what kubelet, the node lifecycle
 controller, the cluster autoscaler and GKE write)."""
 
+from dataclasses import replace
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
@@ -16,6 +17,7 @@ from tpujob_operator.nodes import (
     NOT_READY_TAINT,
     OUT_OF_SERVICE_TAINT,
     UNREACHABLE_TAINT,
+    awaited_nodes,
     infrastructure_evidence,
     node_facts,
     node_signals,
@@ -202,13 +204,29 @@ def test_the_earliest_signal_is_the_evidence():
 
 
 def test_a_decision_waits_while_a_bound_pod_still_runs_at_most_the_window():
+    nodes = _facts(_node("a"), _node("b"))
     running = [_pod("w0", "a", "Failed", 1), _pod("w1", "b")]
-    assert verdict_wait(running, T0, T0 + SECOND) == 5.0
-    assert verdict_wait(running, T0, T0 + timedelta(seconds=NODE_VERDICT_WAIT_SECONDS - 2)) == pytest.approx(2.0)
-    assert verdict_wait(running, T0, T0 + timedelta(seconds=NODE_VERDICT_WAIT_SECONDS)) is None
+    assert verdict_wait(running, nodes, T0, T0 + SECOND) == 2.0
+    assert verdict_wait(running, nodes, T0, T0 + timedelta(seconds=NODE_VERDICT_WAIT_SECONDS - 1)) == pytest.approx(1)
+    assert verdict_wait(running, nodes, T0, T0 + timedelta(seconds=NODE_VERDICT_WAIT_SECONDS)) is None
     ended = [_pod("w0", "a", "Failed", 1), _pod("w1", "b", "Failed", 1)]
-    assert verdict_wait(ended, T0, T0 + SECOND) is None
-    assert verdict_wait([_pod("w0", "a", "Failed", 1), _pod("w1", None, "Pending")], T0, T0 + SECOND) is None
+    assert verdict_wait(ended, nodes, T0, T0 + SECOND) is None
+    assert verdict_wait([_pod("w0", "a", "Failed", 1), _pod("w1", None, "Pending")], nodes, T0, T0 + SECOND) is None
+
+
+def test_a_running_pods_node_whose_kubelet_renewed_its_lease_after_the_failure_is_not_waited_for():
+    pods = [_pod("w0", "a", "Failed", 1), _pod("w1", "b"), _pod("w2", "c")]
+    alive = replace(node_facts(_node("b")), renewed=T0 + 3 * SECOND)
+    before = replace(node_facts(_node("c")), renewed=T0 - SECOND)  # its last renewal predates the failure
+    nodes = {"a": node_facts(_node("a")), "b": alive, "c": before}
+    assert verdict_wait(pods, nodes, T0, T0 + 4 * SECOND) == 2.0  # c may be the dead host
+    nodes["c"] = replace(before, renewed=T0 + 9 * SECOND)
+    assert verdict_wait(pods, nodes, T0, T0 + 10 * SECOND) is None
+
+
+def test_only_the_nodes_of_pods_running_beside_a_failed_one_are_awaited():
+    assert awaited_nodes([_pod("w0", "a"), _pod("w1", "b")]) == set()
+    assert awaited_nodes([_pod("w0", "a", "Failed", 1), _pod("w1", "b"), _pod("w2", None, "Pending")]) == {"b"}
 
 
 # -- the classification and the reconciler: the dead host of a multi-host slice ---------------------
@@ -304,6 +322,16 @@ def test_an_application_error_with_healthy_nodes_still_counts_once_the_wait_is_o
     failure = status.last_failure
     assert failure is not None and (failure.kind, failure.counted, failure.evidence) == ("ApplicationError", True, None)
     assert status.counted_restarts == 1
+
+
+def test_an_application_error_is_decided_once_the_running_pods_kubelets_were_heard_from():
+    tj = _running_job()
+    healthy = (*NODES[:3], _node("gke-tpu-s1-h1"))
+    observed = _observed(T0 + 11 * SECOND, nodes=healthy)
+    renewed = {n: replace(f, renewed=T0 + 10 * SECOND) for n, f in (observed.nodes or {}).items()}
+    status, _ = reconcile(tj, replace(observed, nodes=renewed))
+    failure = status.last_failure
+    assert failure is not None and (failure.kind, failure.counted) == ("ApplicationError", True)
 
 
 def test_when_every_pod_ended_an_application_error_is_decided_at_once():

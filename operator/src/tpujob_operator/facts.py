@@ -49,6 +49,9 @@ class NodeFacts:
     taints: tuple[Taint, ...] = ()
     maintenance: str | None = None  # GKE's cloud.google.com/active-node-maintenance label, if any
     deleting_since: datetime | None = None  # metadata.deletionTimestamp
+    # Its kubelet's Lease renewal (kube-node-lease, every 10 s while it lives); read only while a failure
+    # waits for the nodes' word (nodes.verdict_wait).
+    renewed: datetime | None = None
 
 
 @dataclass(frozen=True)

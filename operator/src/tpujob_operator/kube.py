@@ -27,6 +27,7 @@ FAILED_ATTEMPT_GRACE_SECONDS = 5
 JOBSET_NAME_LABEL = "jobset.sigs.k8s.io/jobset-name"
 KUEUE_GROUP, KUEUE_VERSION = "kueue.x-k8s.io", "v1beta2"
 KUEUE_JOB_UID_LABEL = "kueue.x-k8s.io/job-uid"
+NODE_LEASE_NAMESPACE = "kube-node-lease"  # each kubelet's heartbeat: a Lease named after its node
 
 
 def load_config(pool_size: int | None = None) -> None:
@@ -51,6 +52,7 @@ class Cluster:
     def __init__(self) -> None:
         self.custom = client.CustomObjectsApi()
         self.core = client.CoreV1Api()
+        self.coordination = client.CoordinationV1Api()
 
     def get_training_job(self, namespace: str, name: str) -> dict[str, Any] | None:
         try:
@@ -94,6 +96,20 @@ class Cluster:
             raise
         items = list(cast(dict[str, Any], found).get("items", []))
         return max(items, key=lambda w: str(w["metadata"].get("creationTimestamp", "")), default=None)
+
+    def node_lease_renewed(self, node: str) -> datetime | None:
+        """When the node's kubelet last renewed its Lease (every 10 s while it lives); None without a
+        Lease or without RBAC for it (a failure then waits the whole nodes.NODE_VERDICT_WAIT_SECONDS)."""
+        try:
+            lease = self.coordination.read_namespaced_lease(
+                node, NODE_LEASE_NAMESPACE, _request_timeout=REQUEST_TIMEOUT_SECONDS
+            )
+        except ApiException as error:
+            if error.status in (403, 404):
+                return None
+            raise
+        renewed = lease.spec.renew_time if lease.spec is not None else None
+        return renewed if isinstance(renewed, datetime) else None
 
     def replace_status(self, body: dict[str, Any], status: dict[str, Any]) -> dict[str, Any]:
         """Write the whole status (no stale nested fields survive) on the object as it was read: its

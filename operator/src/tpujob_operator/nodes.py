@@ -40,12 +40,13 @@ from .status import parse_time
 # finished (the node lifecycle controller marks a silent node NotReady after its grace period, 40 s
 # by default, often after the dead host's peers exited).
 NODE_FAILURE_WINDOW_SECONDS = 60.0
-# While a pod of the failed attempt still runs on a node with no signal, a failure that would count
-# is decided only once this long has passed since the first failure (or once every pod ended): the
-# still-running pod may be the dead host's, whose node is not yet marked NotReady.
+# While a pod of the failed attempt still runs on a node with no signal whose kubelet has not been
+# heard from since the first failure (its Lease, renewed every 10 s, is older), a failure that would
+# count is decided only once this long has passed since the first failure: that pod may be the dead
+# host's, whose node is not yet marked NotReady.
 NODE_VERDICT_WAIT_SECONDS = NODE_FAILURE_WINDOW_SECONDS
-# How often a held decision looks at the nodes again.
-NODE_VERDICT_CHECK_SECONDS = 5.0
+# How often a held decision looks at the nodes (and their Leases) again.
+NODE_VERDICT_CHECK_SECONDS = 2.0
 
 UNREACHABLE_TAINT = "node.kubernetes.io/unreachable"
 NOT_READY_TAINT = "node.kubernetes.io/not-ready"
@@ -182,16 +183,37 @@ def infrastructure_evidence(
     return min(found, key=lambda e: (e.since, e.kind != "NodeLost"), default=None)
 
 
+def awaited_nodes(pods: Iterable[PodFacts]) -> set[str]:
+    """The nodes whose word a failure may wait for: those under pods still running beside a failed one."""
+    pods = list(pods)
+    if not any(p.phase == "Failed" for p in pods):
+        return set()
+    return {p.node for p in pods if p.node is not None and p.phase not in ("Succeeded", "Failed")}
+
+
 def verdict_wait(
     pods: Iterable[PodFacts],
+    nodes: Mapping[str, NodeFacts],
     first_failure: datetime,
     now: datetime,
     wait_seconds: float = NODE_VERDICT_WAIT_SECONDS,
 ) -> float | None:
-    """Seconds to hold a failure that would count, or None to decide now: it is held while a pod bound
-    to a node has not ended (it may be the dead host's, not yet marked NotReady), at most until
-    `wait_seconds` after the first failure."""
-    if not any(p.node is not None and p.phase not in ("Succeeded", "Failed") for p in pods):
+    """Seconds to hold a failure that would count, or None to decide now. It is held while a pod bound to
+    a node has not ended and that node's kubelet has not renewed its Lease since the first failure (the
+    pod may be the dead host's, its node not yet marked NotReady), at most until `wait_seconds` after
+    the first failure. A live kubelet renews every 10 s: on healthy nodes the wait is that long at most."""
+    silent = [
+        p
+        for p in pods
+        if p.node is not None
+        and p.phase not in ("Succeeded", "Failed")
+        and not _heard_from(nodes.get(p.node), first_failure)
+    ]
+    if not silent:
         return None
     left = wait_seconds - (now - first_failure).total_seconds()
     return min(left, NODE_VERDICT_CHECK_SECONDS) if left > 0 else None
+
+
+def _heard_from(node: NodeFacts | None, since: datetime) -> bool:
+    return node is not None and node.renewed is not None and node.renewed > since

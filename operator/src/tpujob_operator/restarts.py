@@ -110,7 +110,7 @@ def node_verdict_wait(
     be the infrastructure's (nodes.verdict_wait); None: decide now."""
     if nodes is None or failure.time is None or failure.kind not in _NODE_ATTRIBUTABLE:
         return None
-    return verdict_wait(jobset.pods, failure.time, now)
+    return verdict_wait(jobset.pods, nodes, failure.time, now)
 
 
 def _earliest_failure(jobset: JobSetFacts) -> Failure:

@@ -23,7 +23,7 @@ from kubernetes.client.exceptions import ApiException
 from pydantic import ValidationError
 
 from . import api, checkpoints, maxtext, nodes, policy
-from .facts import Actions, Observed
+from .facts import Actions, JobSetFacts, NodeFacts, Observed
 from .jobset import (
     LABEL_ATTEMPT,
     build_jobset,
@@ -511,8 +511,18 @@ class Runtime:
             storage_denied=denied and error is not None,
             foreign_pods=len(foreign_running),
             queue_name=queue_name(tj, self.default_queue),
-            nodes=None if snapshot.nodes is None else {n: nodes.node_facts(b) for n, b in snapshot.nodes.items()},
+            nodes=self._node_facts(snapshot, facts),
         )
+
+    def _node_facts(self, snapshot: Snapshot, jobsets: list[JobSetFacts]) -> dict[str, NodeFacts] | None:
+        """The Nodes under the pods; beside a failed pod, the Lease renewals of the nodes whose pods still
+        run (one GET each, only then: a failure that would count waits for them, nodes.verdict_wait)."""
+        if snapshot.nodes is None:
+            return None
+        found = {name: nodes.node_facts(body) for name, body in snapshot.nodes.items()}
+        for name in set().union(*(nodes.awaited_nodes(js.pods) for js in jobsets)) & found.keys():
+            found[name] = replace(found[name], renewed=self.cluster().node_lease_renewed(name))
+        return found
 
     def _slowly(self, key: JobKey, what: str, look: Callable[..., Any], *args: Any) -> Any:
         """A LIST-backed lookup, answered from memory if it was made in the last SLOW_LOOKUP_SECONDS. The
