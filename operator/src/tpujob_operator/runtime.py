@@ -379,9 +379,6 @@ class Runtime:
             # made again on it.
             observed = self._observe(key, tj, snapshot, deciding=True)
             status, actions = reconcile(tj, observed)
-        if (within := policy.while_running(tj, status, actions, problems, datetime.now(UTC))) is None:
-            return self._release(key, uid, self._refuse_for_policy(key, body, tj, problems), snapshot)
-        status, actions = within
         self._apply(key, tj, body, status, actions, observed.queue_name)
         if status.phase != tj.status.phase:
             log.info(
@@ -454,7 +451,7 @@ class Runtime:
                 view = checkpoints.refresh_progress(self.storage(), tj.run_dir, view)
             if reads.listing:
                 view = checkpoints.refresh_latest(self.storage(), tj.run_dir, view)
-            view = checkpoints.with_reported_commit(view)
+            view = checkpoints.with_reported_commit(view, tj.metadata.get("uid"), tj.status.attempt, reads.listing)
         except checkpoints.StorageError as failure:
             view = replace(view, error=str(failure), denied=isinstance(failure, checkpoints.StoragePermissionError))
         self.runs[key] = view
