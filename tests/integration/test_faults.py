@@ -201,3 +201,22 @@ def test_a_record_claiming_a_commit_the_listing_does_not_show_never_pins_it(oper
     second = eventually(lambda: cluster.jobset(f"{unique_name}-a1"), what="JobSet a1")
     assert second["metadata"]["annotations"]["tpujob.dev/resume-step"] == "100"
     assert cluster.status(unique_name)["lastFailure"]["resumeStep"] == 100
+
+
+def test_a_jobset_of_the_attempts_name_without_the_jobs_uid_is_never_adopted(operator, cluster, unique_name):
+    from tpujob_operator.jobset import build_jobset
+
+    manifest = training_job_manifest(unique_name)
+    other = {**manifest, "metadata": {"name": unique_name, "namespace": cluster.namespace, "uid": "someone-else"}}
+    stranger = build_jobset(api.TrainingJob.model_validate(other), attempt=0, resume_step=None)
+    stranger["metadata"] = {"name": f"{unique_name}-a0"}  # no owner, no tpujob labels: not this job's
+    cluster.custom.create_namespaced_custom_object(
+        JOBSET_GROUP, JOBSET_VERSION, cluster.namespace, JOBSET_PLURAL, stranger
+    )
+    cluster.apply(manifest)
+    status = eventually(
+        lambda: (s := cluster.status(unique_name)) and _condition(s, "Pending").get("reason") == "JobSetRefused" and s,
+        what="Pending/JobSetRefused",
+    )
+    assert "already exists and is not this TrainingJob's" in _condition(status, "Pending")["message"]
+    assert "ownerReferences" not in cluster.jobset(f"{unique_name}-a0")["metadata"]  # left as it was

@@ -365,3 +365,38 @@ def test_the_operators_own_storage_refusal_is_a_condition_of_its_own_not_an_outa
     status, _ = reconcile(tj, observed)
     assert _condition(status, "CheckpointStorageReachable") == ("False", "PermissionDenied", refused)
     assert _condition(status, "Running")[1] == "StoragePermissionDenied"
+
+
+# --- status a newer operator wrote, a failed JobSet suspended ------------------------------------------
+
+
+def test_status_written_by_a_newer_operator_is_kept_and_reconciled_not_refused():
+    from tpujob_operator.api import TrainingJob
+
+    newer = {
+        "phase": "Draining", "stage": "Quiescing", "attempt": 0, "futureField": {"x": 1},
+        "conditions": [{"type": "Draining", "status": "True", "reason": "Maintenance", "message": "m"}],
+        "lastFailure": {"time": rfc3339(T0), "kind": "GremlinAttack", "reason": "Gremlin", "futureDetail": "d"},
+        "goodput": {"updatedAt": rfc3339(T0), "badput": {"schedulingSeconds": 1.0, "futureSeconds": 2.0}},
+    }  # fmt: skip
+    tj = training_job(status=newer)  # before: a ValidationError, so the job failed as InvalidSpec
+    assert (tj.status.phase, tj.status.stage, tj.status.last_failure.kind) == ("Draining", "Quiescing", "GremlinAttack")
+    status, _ = reconcile(tj, Observed(now=T0 + timedelta(seconds=10), jobsets=(_jobset(pods=(_scheduled(),)),)))
+    written = status.model_dump(by_alias=True, exclude_none=True, mode="json")
+    assert written["futureField"] == {"x": 1} and written["lastFailure"]["futureDetail"] == "d"
+    assert written["lastFailure"]["kind"] == "GremlinAttack" and written["goodput"]["badput"]["futureSeconds"] == 2.0
+    assert status.phase == "Pending" and _condition(status, "Draining")[:2] == ("False", "Pending")
+    again = TrainingJob.model_validate({**tj.model_dump(by_alias=True, mode="json"), "status": written})
+    assert again.status.model_dump(by_alias=True, exclude_none=True, mode="json") == written  # a round trip
+
+
+def test_a_failed_jobset_under_spec_suspend_is_suspended_and_announced_once():
+    tj = training_job(suspend=True, status={"phase": "Running", "attempt": 0})
+    failed = _jobset(state="Failed", pods=(_scheduled(phase="Failed", exit_code=1, finished_at=T0),))
+    status, actions = reconcile(tj, Observed(now=T0, jobsets=(failed,)))
+    assert actions.set_suspend == ("llama-a0", True) and [e.reason for e in actions.events] == ["Suspended"]
+    # The JobSet now carries the operator's suspension, but its Failed condition still decides its state.
+    suspended = _jobset(state="Failed", suspended_by_operator=True)
+    later = training_job(suspend=True, status=status.model_dump(by_alias=True, exclude_none=True))
+    status, actions = reconcile(later, Observed(now=T0 + timedelta(seconds=60), jobsets=(suspended,)))
+    assert status.phase == "Suspended" and actions.set_suspend is None and actions.events == []

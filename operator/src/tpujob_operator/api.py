@@ -11,7 +11,18 @@ import re
 from typing import Annotated, Any, Literal
 
 import tpujob_contract as contract
-from pydantic import BaseModel, ConfigDict, Field, JsonValue, ValidationInfo, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    JsonValue,
+    ValidationError,
+    ValidationInfo,
+    ValidatorFunctionWrapHandler,
+    WrapValidator,
+    field_validator,
+    model_validator,
+)
 from pydantic.alias_generators import to_camel
 
 from . import maxtext
@@ -514,7 +525,33 @@ class TrainingJobSpec(ApiModel):
         return self
 
 
-class Condition(ApiModel):
+def _kept_if_unknown(value: Any, handler: ValidatorFunctionWrapHandler) -> Any:
+    """A status value a newer operator wrote (a phase, stage or failure kind this one does not know) is
+    kept as it is: status is read, never refused (an operator rolled back must go on reconciling)."""
+    try:
+        return handler(value)
+    except ValidationError:
+        if isinstance(value, str):
+            return value
+        raise
+
+
+def _closed(schema: dict[str, Any]) -> None:
+    schema.pop("additionalProperties", None)  # what status keeps changes nothing in the CRD's schema
+
+
+class StatusModel(ApiModel):
+    """Status, written by the operator: fields a newer one added are kept and written back, not dropped."""
+
+    model_config = ConfigDict(extra="allow", json_schema_extra=_closed)
+
+
+KeptPhase = Annotated[Phase, WrapValidator(_kept_if_unknown)]
+KeptStage = Annotated[Stage, WrapValidator(_kept_if_unknown)]
+KeptFailureKind = Annotated[FailureKind, WrapValidator(_kept_if_unknown)]
+
+
+class Condition(StatusModel):
     type: str
     status: Literal["True", "False", "Unknown"]
     reason: str = ""
@@ -522,12 +559,12 @@ class Condition(ApiModel):
     last_transition_time: str | None = None
 
 
-class CheckpointRef(ApiModel):
+class CheckpointRef(StatusModel):
     step: int = Field(description="Latest committed checkpoint step in GCS.")
     time: str | None = Field(default=None, description="When the operator first saw it committed.")
 
 
-class FailureTimeline(ApiModel):
+class FailureTimeline(StatusModel):
     """When each stage of one recovery happened (RFC 3339); absent until it has."""
 
     failed: str | None = Field(default=None, description="The first worker failed (its pod's finish time).")
@@ -538,7 +575,7 @@ class FailureTimeline(ApiModel):
     first_new_step: str | None = Field(default=None, description="The replacement trained its first step.")
 
 
-class Badput(ApiModel):
+class Badput(StatusModel):
     """Seconds of the job's wall time that did not train, by cause (ml-goodput-measurement's categories)."""
 
     scheduling_seconds: float = Field(default=0, description="Waiting for pods to be scheduled (capacity).")
@@ -556,7 +593,7 @@ class Badput(ApiModel):
     queued_seconds: float = Field(default=0, description="Waiting in a Kueue queue for admission (quota).")
 
 
-class Goodput(ApiModel):
+class Goodput(StatusModel):
     """The job's time ledger, across attempts: wall time = productive + every badput cause."""
 
     ratio: float | None = Field(default=None, description="Productive seconds / wall seconds.")
@@ -570,7 +607,7 @@ class Goodput(ApiModel):
     attempt_restore_seconds: float = 0
 
 
-class FailureEvidence(ApiModel):
+class FailureEvidence(StatusModel):
     """The node signal that made a failure the infrastructure's (see the operator's nodes.py)."""
 
     node: str = Field(description="The node one of the attempt's pods was bound to.")
@@ -586,9 +623,9 @@ class FailureEvidence(ApiModel):
     )
 
 
-class FailureRecord(ApiModel):
+class FailureRecord(StatusModel):
     time: str
-    kind: FailureKind
+    kind: KeptFailureKind
     reason: str
     message: str = ""
     slice: int | None = Field(default=None, description="Index of the slice that failed, when known.")
@@ -605,7 +642,7 @@ class FailureRecord(ApiModel):
     )
 
 
-class CheckpointCadence(ApiModel):
+class CheckpointCadence(StatusModel):
     """The adaptive policy's interval in force, as the current attempt's trainer reports it."""
 
     interval_seconds: float | None = Field(default=None, description="Seconds between save starts now.")
@@ -623,7 +660,7 @@ class CheckpointCadence(ApiModel):
     )
 
 
-class QueueStatus(ApiModel):
+class QueueStatus(StatusModel):
     """Kueue admission of the current attempt (jobs with a queue only)."""
 
     name: str = Field(description="The LocalQueue (label kueue.x-k8s.io/queue-name, or the operator's default).")
@@ -632,8 +669,8 @@ class QueueStatus(ApiModel):
     reason: str | None = Field(default=None, description="Why it waits, as Kueue says it.")
 
 
-class TrainingJobStatus(ApiModel):
-    phase: Phase | None = None
+class TrainingJobStatus(StatusModel):
+    phase: KeptPhase | None = None
     conditions: list[Condition] = Field(default_factory=list)
     observed_generation: int | None = None
     attempt: int = Field(default=0, description="Current JobSet attempt (0 is the first).")
@@ -654,7 +691,7 @@ class TrainingJobStatus(ApiModel):
         default=None, description="Why the checkpoint directory could not be read, while it cannot."
     )
     goodput: Goodput | None = Field(default=None, description="Where the job's wall time went, across attempts.")
-    stage: Stage | None = Field(default=None, description="Which clock the job is on now.")
+    stage: KeptStage | None = Field(default=None, description="Which clock the job is on now.")
     stage_start_time: str | None = Field(
         default=None, description="When the current stage's clock started (restarts after a suspension ends)."
     )

@@ -75,7 +75,7 @@ def _cause_of(status: TrainingJobStatus) -> Cause | None:
     recovering = failure is not None and failure.recovery_seconds is None
     if status.stage == "Scheduling" and recovering:
         return "infrastructure_recovery"  # the replacement of a failed attempt is not yet placed
-    return _STAGE_CAUSE[status.stage]
+    return _STAGE_CAUSE.get(status.stage)  # a stage a newer operator wrote: counted from the next known one
 
 
 def advance(
@@ -122,8 +122,10 @@ def advance(
 
 
 def _totalled(ledger: Goodput, now: datetime) -> Goodput:
-    badput = Badput(**{k: round(v, 3) for k, v in ledger.badput.model_dump().items()})
-    wall = ledger.productive_seconds + sum(badput.model_dump().values())
+    # Causes a newer operator added are kept, and are part of the wall time it counted.
+    seconds = {k: v for k, v in ledger.badput.model_dump().items() if isinstance(v, int | float)}
+    badput = Badput(**{**ledger.badput.model_dump(), **{k: round(v, 3) for k, v in seconds.items()}})
+    wall = ledger.productive_seconds + sum(round(v, 3) for v in seconds.values())
     return ledger.model_copy(
         update={
             "badput": badput,

@@ -143,8 +143,8 @@ class Cluster:
             raise
 
     def create_jobset(self, namespace: str, manifest: dict[str, Any]) -> dict[str, Any] | None:
-        """The JobSet as created, or None when it already exists: creation is idempotent by name. Any other
-        refusal (invalid, forbidden by a quota or an admission policy) raises ApiException for the caller."""
+        """The JobSet as created, or None when one of that name already exists (whose: see `get_jobset`). Any
+        other refusal (invalid, forbidden by a quota or an admission policy) raises ApiException for the caller."""
         try:
             created = self.custom.create_namespaced_custom_object(
                 JOBSET_GROUP,
@@ -157,6 +157,17 @@ class Cluster:
             return cast(dict[str, Any], created)
         except ApiException as error:
             if error.status == 409:
+                return None
+            raise
+
+    def get_jobset(self, namespace: str, name: str) -> dict[str, Any] | None:
+        try:
+            found = self.custom.get_namespaced_custom_object(
+                JOBSET_GROUP, JOBSET_VERSION, namespace, JOBSET_PLURAL, name, _request_timeout=REQUEST_TIMEOUT_SECONDS
+            )
+            return cast(dict[str, Any], found)
+        except ApiException as error:
+            if error.status == 404:
                 return None
             raise
 

@@ -404,7 +404,9 @@ def _suspension(
     if current.queue_name:
         return _queued(tj, status, observed, actions, current)
     if tj.spec.suspend:
-        if current.state != "Suspended" or not current.suspended_by_operator:
+        # Suspended by the operator already: a Failed or Completed JobSet keeps that state with
+        # spec.suspend set, and is neither patched nor announced again.
+        if current.state == "Active" or not current.suspended_by_operator:
             actions.set_suspend = (current.name, True)
             actions.events.append(
                 Event("Normal", "Suspended", f"suspended JobSet {current.name}; checkpoints are kept")

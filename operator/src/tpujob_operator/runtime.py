@@ -556,11 +556,23 @@ class Runtime:
         if actions.create_attempt is not None:
             manifest = build_jobset(tj, actions.create_attempt, actions.resume_step, queue)
             try:
+                name = manifest["metadata"]["name"]
                 created = kube.create_jobset(tj.namespace, manifest)
-                if created is None:
-                    log.info("JobSet %s already exists (adopted)", manifest["metadata"]["name"])
-                else:
-                    self.created[key][manifest["metadata"]["name"]] = slim_jobset(created)
+                if created is None:  # one of that name exists: ours only if it carries this job's uid
+                    created = kube.get_jobset(tj.namespace, name)
+                    owner = incarnation_uid(created) if created is not None else None
+                    if created is not None and owner != tj.metadata.get("uid"):
+                        message = f"a JobSet named {name} already exists and is not this TrainingJob's " + (
+                            f"(it belongs to TrainingJob uid {owner})" if owner else "(no TrainingJob owns it)"
+                        )
+                        refused = with_creation_refused(status, message, False, datetime.now(UTC))
+                        self._write_status(key, body, _dump(refused))
+                        self._post_event(body, "Warning", "JobSetRefused", message)
+                        created = None
+                    elif created is not None:
+                        log.info("JobSet %s already exists (adopted: it carries this job's uid)", name)
+                if created is not None:
+                    self.created[key][name] = slim_jobset(created)
             except ApiException as error:
                 if error.status is None or error.status >= 500 or error.status == 429:
                     raise

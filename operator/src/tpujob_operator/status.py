@@ -39,7 +39,9 @@ def with_phase(status: TrainingJobStatus, phase: Phase, reason: str, message: st
     """Move to `phase`: its condition becomes True with the reason, every other one False. A False
     condition says only which phase replaced it: the current message belongs to the True one."""
     conditions = list(status.conditions)
-    for type_ in CONDITION_TYPES:
+    # A phase a newer operator wrote has its condition too: it is False once this one moves on.
+    unknown = (status.phase,) if status.phase and status.phase not in CONDITION_TYPES else ()
+    for type_ in (*CONDITION_TYPES, *unknown):
         if type_ == phase:
             conditions = set_condition(conditions, type_, True, reason, message, now)
         elif any(c.type == type_ for c in conditions):
