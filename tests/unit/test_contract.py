@@ -141,3 +141,19 @@ def test_the_run_directory_layout():
         7,
         None,
     ]
+
+
+def test_quarantined_steps_and_a_storage_denial_round_trip_and_older_records_still_read():
+    record = contract.ProgressRecord(
+        step=20, attempt=3, updated_at=contract.now_rfc3339(), state="running", restored_step=20,
+        restore_failures=(contract.RestoreFailure(30, "ValueError: OUT_OF_RANGE: ..."),),
+        quarantined=(contract.QuarantinedStep(30, "gs://b/ns/job/quarantine/30"),),
+        storage_denied="gs://b as trainer@p.iam.gserviceaccount.com: OSError: Forbidden",
+    )  # fmt: skip
+    back = contract.from_json(contract.to_json(record))
+    assert back == record
+    older = json.loads(contract.to_json(record))
+    del older["quarantined"], older["storage_denied"]  # a trainer from before these fields
+    read = contract.from_json(json.dumps(older))
+    assert (read.quarantined, read.storage_denied) == ((), None)
+    assert contract.ExitCode.STORAGE_PERMISSION_DENIED == 5

@@ -90,6 +90,12 @@ FRESH: Final = Resume("fresh")
 # --- the run directory -------------------------------------------------------------------------------
 
 CHECKPOINTS_DIR: Final = "checkpoints"
+# Where the trainer moves a committed step it will never restore, bytes kept (no listing of
+# checkpoints/ sees it again): quarantine/<step> a damaged one (or one newer than the step an
+# attempt restored instead); superseded/<step> one that a fresh start (TPUJOB_RESUME_STEP=fresh)
+# set aside. A name taken already gets a suffix: <step>.1, <step>.2, ...
+QUARANTINE_DIR: Final = "quarantine"
+SUPERSEDED_DIR: Final = "superseded"
 PROGRESS_FILE: Final = "progress.json"
 # Orbax 0.12 on GCS has no atomic rename: it writes the step directory in place and marks it committed
 # by writing this file last. A step directory without it is partial (a save cut short).
@@ -153,6 +159,14 @@ class RestoreFailure:
 
 
 @dataclass(frozen=True)
+class QuarantinedStep:
+    """A committed step the trainer moved out of checkpoints/ because it could not be restored."""
+
+    step: int
+    path: str  # where its bytes are now: <run dir>/quarantine/<step>[.<n>]
+
+
+@dataclass(frozen=True)
 class ProgressRecord:
     """$TPUJOB_RUN_DIR/progress.json, written by process 0 of the current attempt.
 
@@ -171,6 +185,9 @@ class ProgressRecord:
     resumed_from_step: int | None = None  # kept for readers of older records; same as restored_step
     restored_step: int | None = None  # the step actually restored (older than pinned if that one failed)
     restore_failures: tuple[RestoreFailure, ...] = ()
+    quarantined: tuple[QuarantinedStep, ...] = ()  # of restore_failures, the steps moved to quarantine/
+    # Storage refused this attempt (401/403, exit 5): "gs://bucket as <identity>: <error>".
+    storage_denied: str | None = None
     save_failures: int = 0  # saves of this attempt that raised; training went on and retried
     process_started_at: str | None = None
     storage_ready_at: str | None = None  # the storage probe passed
@@ -222,6 +239,9 @@ def from_json(raw: str | bytes) -> ProgressRecord:
         fields["restore_failures"] = tuple(
             RestoreFailure(step=int(f["step"]), error=str(f.get("error", ""))[:ERROR_TEXT_LIMIT])
             for f in data.get("restore_failures") or []
+        )
+        fields["quarantined"] = tuple(
+            QuarantinedStep(step=int(q["step"]), path=str(q.get("path", ""))) for q in data.get("quarantined") or []
         )
         fields["uid"] = str(data.get("uid") or "")
         return ProgressRecord(**fields)
