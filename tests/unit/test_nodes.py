@@ -128,8 +128,10 @@ def test_each_node_signal_is_recognised(body, expected):
         _node(labels={"cloud.google.com/scheduled-maintenance-time": "1795000000"}),
         # A user's own taint.
         _node(taints=[_taint("google.com/tpu", "NoSchedule")]),
+        # The NoSchedule twin of not-ready on a Ready node: it lags the condition (a node just registered).
+        _node(taints=[_taint(NOT_READY_TAINT, "NoSchedule")]),
     ],
-    ids=["cordon-alone", "drain-taint-uncordoned", "scheduled-maintenance", "tpu-taint"],
+    ids=["cordon-alone", "drain-taint-uncordoned", "scheduled-maintenance", "tpu-taint", "not-ready-no-schedule"],
 )
 def test_what_does_not_kill_pods_is_not_a_signal(body):
     assert _reasons(body) == []

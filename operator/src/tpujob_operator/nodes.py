@@ -8,9 +8,9 @@ bound to a node that shows one of these signals, begun no later than NODE_FAILUR
 after the first failure:
 
 - NodeLost: the node is gone (bound, but no Node of that name exists); it is being deleted; its
-  Ready condition is False or Unknown; it carries the node lifecycle controller's
-  node.kubernetes.io/unreachable or not-ready taint, or node.kubernetes.io/out-of-service (a
-  non-graceful shutdown).
+  Ready condition is False or Unknown; it carries the node lifecycle controller's NoExecute
+  node.kubernetes.io/unreachable or not-ready taint (the ones that evict; their NoSchedule twins only
+  shadow the condition, lagging it), or node.kubernetes.io/out-of-service (a non-graceful shutdown).
 - Preemption (maintenance or reclaim; the pods' save grace, if any, was given): GKE's
   cloud.google.com/impending-node-termination taint (graceful termination, spot reclaim) or its
   cloud.google.com/active-node-maintenance label (host maintenance in progress); or the node is
@@ -144,7 +144,9 @@ def node_signals(node: NodeFacts | None) -> tuple[Signal, ...]:
         said = f" ({node.ready_reason}: {node.ready_message})" if node.ready_reason else ""
         found.append(Signal("NodeLost", reason, f"Ready={node.ready}{said}", node.ready_since))
     for taint in node.taints:
-        if taint.key in _LOST_TAINTS:
+        # The lifecycle controller's NoSchedule not-ready/unreachable taints only shadow the Ready
+        # condition, and lag it (a node just registered or recovered still has them for seconds).
+        if taint.key in _LOST_TAINTS and (taint.effect == "NoExecute" or taint.key == OUT_OF_SERVICE_TAINT):
             found.append(Signal("NodeLost", _LOST_TAINTS[taint.key], _taint_text(taint), taint.added))
         elif taint.key == IMPENDING_TERMINATION_TAINT:
             found.append(Signal("Preemption", "NodeTerminating", _taint_text(taint), taint.added))
