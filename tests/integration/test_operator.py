@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 from google.cloud import storage
 from kubernetes import client
-from tpujob_operator import api, checkpoints
+from tpujob_operator import api, checkpoints, handlers
 from tpujob_operator.jobset import JOBSET_GROUP, JOBSET_PLURAL, JOBSET_VERSION, build_jobset
 
 from ..conftest import TEST_BUCKET
@@ -205,7 +205,7 @@ def test_exhausted_budget_fails_the_job_with_a_condition(operator, cluster, uniq
     assert status["restarts"] == 0
     # Giving up releases the slices: the apiserver holds no JobSet of the job (deleting ones included).
     eventually(lambda: cluster.all_jobsets() == [], timeout=60, what="no JobSet left after giving up")
-    assert "RestartBudgetExhausted" in eventually(lambda: cluster.events(unique_name), what="events")
+    eventually(lambda: "RestartBudgetExhausted" in cluster.events(unique_name), what="the Event")
 
 
 def test_a_job_failed_while_the_operator_was_down_loses_its_jobset_when_it_is_back(
@@ -224,6 +224,7 @@ def test_a_job_failed_while_the_operator_was_down_loses_its_jobset_when_it_is_ba
         {"status": {"phase": "Failed", "conditions": [failed], "stage": "Finished"}},
     )  # fmt: skip
     assert cluster.jobset(f"{unique_name}-a0") is not None
+    handlers.reset_clients()  # a new operator process remembers nothing
     start_operator()
     eventually(lambda: cluster.all_jobsets() == [], timeout=60, what="no JobSet left by the finished job")
     assert cluster.status(unique_name)["phase"] == "Failed"
