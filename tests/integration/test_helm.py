@@ -124,7 +124,8 @@ def test_user_roles_aggregate_into_the_built_in_ones():
 def test_policy_values_reach_the_operator_and_the_admission_policy_alike():
     docs = render(
         "policy.allowedCheckpointLocations={gs://team-a/,gs://shared/runs}",
-        "policy.allowServiceAccountName=false",
+        "policy.allowedServiceAccounts={trainer,reader}",
+        "policy.allowedPriorityClasses={batch-low}",
         "policy.allowSecretKeyRef=true",
         "watchNamespaces={ml}",
     )
@@ -132,7 +133,9 @@ def test_policy_values_reach_the_operator_and_the_admission_policy_alike():
     assert [a for a in args if a.startswith(("--allow", "--no-allow", "--operator-"))] == [
         "--allowed-checkpoint-location=gs://team-a",
         "--allowed-checkpoint-location=gs://shared/runs",
-        "--no-allow-service-account-name",
+        "--allowed-service-account=trainer",
+        "--allowed-service-account=reader",
+        "--allowed-priority-class=batch-low",
         "--allow-secret-key-ref",
         "--operator-namespace=default",
         "--operator-service-account=tpujob",
@@ -140,12 +143,14 @@ def test_policy_values_reach_the_operator_and_the_admission_policy_alike():
     vap = _named(docs, "ValidatingAdmissionPolicy", "tpujob-policy")
     variables = {v["name"]: v["expression"] for v in vap["spec"]["variables"]}
     assert yaml.safe_load(variables["allowedLocations"]) == ["gs://team-a", "gs://shared/runs"]
-    assert (variables["allowServiceAccountName"], variables["allowSecretKeyRef"]) == ("false", "true")
+    assert yaml.safe_load(variables["allowedServiceAccounts"]) == ["trainer", "reader"]
+    assert yaml.safe_load(variables["allowedPriorityClasses"]) == ["batch-low"]
+    assert variables["allowSecretKeyRef"] == "true"
     assert (variables["operatorNamespace"], variables["operatorServiceAccount"]) == ('"default"', '"tpujob"')
     binding = _named(docs, "ValidatingAdmissionPolicyBinding", "tpujob-policy")
     assert binding["spec"]["validationActions"] == ["Deny"] and "paramRef" not in binding["spec"]
     assert binding["spec"]["matchResources"]["namespaceSelector"]["matchExpressions"][0]["values"] == ["ml"]
-    # The defaults: any location, serviceAccountName allowed (not in the operator's namespace), no secret refs.
+    # The defaults: any location, no serviceAccountName but the default, no PriorityClass, no secret refs.
     defaults = render()
     assert (
         yaml.safe_load(
@@ -153,7 +158,14 @@ def test_policy_values_reach_the_operator_and_the_admission_policy_alike():
         )
         == []
     )
-    assert {"--allow-service-account-name", "--no-allow-secret-key-ref"} <= set(_operator_container(defaults)["args"])
+    default_args = _operator_container(defaults)["args"]
+    assert "--no-allow-secret-key-ref" in default_args
+    assert not [a for a in default_args if a.startswith(("--allowed-service-account", "--allowed-priority-class"))]
+    default_variables = {
+        v["name"]: v["expression"]
+        for v in _named(defaults, "ValidatingAdmissionPolicy", "tpujob-policy")["spec"]["variables"]
+    }
+    assert (default_variables["allowedServiceAccounts"], default_variables["allowedPriorityClasses"]) == ("[]", "[]")
     assert "matchResources" not in _named(defaults, "ValidatingAdmissionPolicyBinding", "tpujob-policy")["spec"]
     assert not [d for d in render("policy.admissionPolicy.enabled=false") if "Admission" in d["kind"]]
     assert "must be gs://bucket or gs://bucket/prefix" in refused_render("policy.allowedCheckpointLocations={s3://x}")
@@ -189,7 +201,7 @@ def test_image_is_pinned_by_digest_when_one_is_given_and_pods_report_readiness()
 
 def test_leader_election_role_is_one_lease_in_the_release_namespace():
     docs = render()
-    [role] = [d for d in docs if d["kind"] == "Role"]
+    role = _named(docs, "Role", "tpujob-leader-election")
     assert role["metadata"]["namespace"] == "default"  # helm template's release namespace
     assert {(r["resources"][0], tuple(r.get("resourceNames", [])), v) for r in role["rules"] for v in r["verbs"]} == {
         ("leases", (), "create"),  # create cannot be limited to a name
@@ -197,10 +209,10 @@ def test_leader_election_role_is_one_lease_in_the_release_namespace():
         ("leases", ("tpujob-operator",), "update"),
     }
     assert all(r["apiGroups"] == ["coordination.k8s.io"] for r in role["rules"])
-    [binding] = [d for d in docs if d["kind"] == "RoleBinding"]
+    binding = _named(docs, "RoleBinding", "tpujob-leader-election")
     assert binding["roleRef"]["name"] == role["metadata"]["name"]
     # A shared Lease namespace lets releases in different namespaces elect one operator among them.
-    [shared] = [d for d in render("leaderElection.namespace=ops") if d["kind"] == "Role"]
+    shared = _named(render("leaderElection.namespace=ops"), "Role", "tpujob-leader-election")
     assert shared["metadata"]["namespace"] == "ops"
 
 

@@ -1,6 +1,7 @@
 """Multi-tenant policy on the real apiserver: the chart's ValidatingAdmissionPolicy refuses a
-TrainingJob that breaks it, with the rule named; without the admission policy the operator refuses
-it (Failed/PolicyViolation, an Event, no JobSet, its checkpoint directory never read)."""
+TrainingJob that breaks it, with the rule named, also for a person bound to the chart's user role;
+without the admission policy the operator refuses it (Failed/PolicyViolation, an Event, no JobSet,
+its checkpoint directory never read); a policy tightened while a job runs lets its attempt finish."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from kubernetes import client
+from kubernetes import client, config
 from kubernetes.client.exceptions import ApiException
 from tpujob_devcluster.controlplane import tools_dir
 from tpujob_operator import api, handlers, policy
@@ -19,10 +20,12 @@ from tpujob_operator.jobset import JOBSET_GROUP, JOBSET_PLURAL, JOBSET_VERSION
 
 from ..conftest import TEST_BUCKET
 from .conftest import eventually, training_job_manifest
+from .test_operator import Cluster
 
 pytestmark = pytest.mark.integration
 CHART = Path(__file__).resolve().parents[2] / "charts" / "tpujob"
 ALLOWED = f"gs://{TEST_BUCKET}/runs"
+_IN = {"directory": ALLOWED}
 SECRET_ENV = [{"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {"name": "hf", "key": "token"}}}]
 
 
@@ -53,6 +56,7 @@ def release(control_plane, namespace: str, team: str) -> Iterator[str]:
         control_plane, "install", "tpujob", str(CHART), "--namespace", namespace, "--skip-crds",
         "--set", f"watchNamespaces={{{namespace},{team}}}",
         "--set", f"policy.allowedCheckpointLocations={{{ALLOWED}}}",
+        "--set", "policy.allowedServiceAccounts={trainer}", "--set", "policy.allowedPriorityClasses={batch-low}",
     )  # fmt: skip
     yield namespace
     helm(control_plane, "uninstall", "tpujob", "--namespace", namespace)
@@ -99,10 +103,22 @@ def test_the_admission_policy_refuses_each_rule_with_its_message(kube, release, 
     assert "outside the allowed checkpoint locations" in _refusal(kube, team, sibling)
     secret = training_job_manifest(f"{unique_name}-e", checkpoint={"directory": ALLOWED}, env=SECRET_ENV)
     assert _refusal(kube, team, secret).endswith(policy.SECRET_MESSAGE.format(names="HF_TOKEN"))
+    # Issue 17 item 11: only the listed ServiceAccounts and PriorityClasses.
+    unlisted = training_job_manifest(f"{unique_name}-f", serviceAccountName="ci-deployer", checkpoint=_IN)
+    assert _refusal(kube, team, unlisted).endswith(
+        policy.ACCOUNT_FORBIDDEN_MESSAGE.format(name="ci-deployer", allowed="trainer")
+    )
+    urgent = training_job_manifest(f"{unique_name}-g", priorityClassName="system-cluster-critical", checkpoint=_IN)
+    assert _refusal(kube, team, urgent).endswith(
+        policy.PRIORITY_FORBIDDEN_MESSAGE.format(name="system-cluster-critical", allowed="batch-low")
+    )
 
-    # What the policy allows goes through: the team's own account, under the allowed prefix.
+    # What the policy allows goes through: the listed account and class, under the allowed prefix.
     allowed = training_job_manifest(
-        f"{unique_name}-ok", serviceAccountName="trainer", checkpoint={"directory": f"{ALLOWED}/llama/"}
+        f"{unique_name}-ok",
+        serviceAccountName="trainer",
+        priorityClassName="batch-low",
+        checkpoint={"directory": f"{ALLOWED}/llama/"},
     )
     assert _create(kube, team, allowed) is None
     # ... and a spec change that breaks it is refused too; a label change is not (the spec is unchanged).
@@ -117,11 +133,11 @@ def test_the_admission_policy_refuses_each_rule_with_its_message(kube, release, 
     )
 
 
-def test_stricter_values_refuse_any_service_account_and_allow_secret_refs(control_plane, kube, namespace, team):
+def test_default_values_refuse_any_service_account_and_secret_refs_can_be_allowed(control_plane, kube, namespace, team):
     install = (
         "install", "tpujob", str(CHART), "--namespace", namespace, "--skip-crds",
         "--set", f"watchNamespaces={{{team}}}",
-        "--set", "policy.allowServiceAccountName=false", "--set", "policy.allowSecretKeyRef=true",
+        "--set", "policy.allowSecretKeyRef=true",
     )  # fmt: skip
     helm(control_plane, *install)
     try:
@@ -132,7 +148,15 @@ def test_stricter_values_refuse_any_service_account_and_allow_secret_refs(contro
         )
         assert not checked.expression_warnings
         named = training_job_manifest("named", serviceAccountName="trainer")
-        assert _refusal(kube, team, named).endswith(policy.ACCOUNT_FORBIDDEN_MESSAGE)
+        assert _refusal(kube, team, named).endswith(
+            policy.ACCOUNT_FORBIDDEN_MESSAGE.format(name="trainer", allowed="none")
+        )
+        classed = training_job_manifest("classed", priorityClassName="batch-low")
+        assert _refusal(kube, team, classed).endswith(
+            policy.PRIORITY_FORBIDDEN_MESSAGE.format(name="batch-low", allowed="none")
+        )
+        # The namespace's default account is what an unset name means: allowed.
+        assert _create(kube, team, training_job_manifest("plain", serviceAccountName="default")) is None
         # No location listed (the default): any bucket; secret refs allowed by these values.
         anywhere = training_job_manifest("secret", checkpoint={"directory": "gs://any-bucket/x"}, env=SECRET_ENV)
         assert _create(kube, team, anywhere) is None
@@ -142,7 +166,9 @@ def test_stricter_values_refuse_any_service_account_and_allow_secret_refs(contro
         helm(control_plane, "uninstall", "tpujob", "--namespace", namespace)
         helm(control_plane, *install)
         again = training_job_manifest("again", serviceAccountName="trainer")
-        assert _refusal(kube, team, again).endswith(policy.ACCOUNT_FORBIDDEN_MESSAGE)
+        assert _refusal(kube, team, again).endswith(
+            policy.ACCOUNT_FORBIDDEN_MESSAGE.format(name="trainer", allowed="none")
+        )
     finally:
         helm(control_plane, "uninstall", "tpujob", "--namespace", namespace)
 
@@ -166,6 +192,10 @@ def test_without_the_admission_policy_the_operator_refuses_and_reads_nothing(kub
         "secret": (
             training_job_manifest("secret", checkpoint={"directory": ALLOWED}, env=SECRET_ENV),
             policy.SECRET_MESSAGE.format(names="HF_TOKEN"),
+        ),
+        "priority": (
+            training_job_manifest("priority", checkpoint=_IN, priorityClassName="system-cluster-critical"),
+            policy.PRIORITY_FORBIDDEN_MESSAGE.format(name="system-cluster-critical", allowed="none"),
         ),
     }
     for manifest, _ in jobs.values():
@@ -194,28 +224,95 @@ def test_without_the_admission_policy_the_operator_refuses_and_reads_nothing(kub
     assert jobsets["items"] == []
 
 
-def test_a_spec_changed_to_break_the_policy_fails_the_job_and_removes_its_jobset(kube, start_operator, namespace):
-    custom = client.CustomObjectsApi(kube)
+def test_a_person_bound_to_the_charts_role_gets_only_what_the_admin_allowed(
+    control_plane, kube, release, team, unique_name
+):
+    """Issue 17 item 11, through the whole chain: RBAC lets a tenant create TrainingJobs (the chart's
+    <release>-edit role, bound in the team's namespace), and the admission policy then refuses what
+    the admin did not list, on the tenant's own request (impersonated)."""
+    client.RbacAuthorizationV1Api(kube).create_namespaced_role_binding(
+        team,
+        client.V1RoleBinding(
+            metadata=client.V1ObjectMeta(name="alice"),
+            role_ref=client.V1RoleRef(api_group="rbac.authorization.k8s.io", kind="ClusterRole", name="tpujob-edit"),
+            subjects=[client.RbacV1Subject(kind="User", name="alice", api_group="rbac.authorization.k8s.io")],
+        ),
+    )
+    review = client.V1SubjectAccessReview(
+        spec=client.V1SubjectAccessReviewSpec(
+            user="alice",
+            resource_attributes=client.V1ResourceAttributes(
+                namespace=team, verb="create", group=api.GROUP, resource=api.PLURAL
+            ),
+        )
+    )
+    answer: Any = client.AuthorizationV1Api(kube).create_subject_access_review(review)
+    assert answer.status.allowed, answer.status  # RBAC allows it: any refusal below is the policy's
+    alice = config.new_client_from_config(str(control_plane.kubeconfig))
+    alice.set_default_header("Impersonate-User", "alice")
+    as_pods_account = training_job_manifest(f"{unique_name}-sa", serviceAccountName="ci-deployer", checkpoint=_IN)
+    assert _refusal(alice, team, as_pods_account).endswith(
+        policy.ACCOUNT_FORBIDDEN_MESSAGE.format(name="ci-deployer", allowed="trainer")
+    )
+    preempting = training_job_manifest(f"{unique_name}-pc", priorityClassName="system-node-critical", checkpoint=_IN)
+    assert _refusal(alice, team, preempting).endswith(
+        policy.PRIORITY_FORBIDDEN_MESSAGE.format(name="system-node-critical", allowed="batch-low")
+    )
+    allowed = training_job_manifest(
+        f"{unique_name}-ok", serviceAccountName="trainer", priorityClassName="batch-low", checkpoint=_IN
+    )
+    assert _create(alice, team, allowed) is None
+    # ... and alice cannot edit her way around it.
+    with pytest.raises(ApiException) as patched:
+        client.CustomObjectsApi(alice).patch_namespaced_custom_object(
+            api.GROUP,
+            api.VERSION,
+            team,
+            api.PLURAL,
+            f"{unique_name}-ok",
+            {"spec": {"serviceAccountName": "ci-deployer"}},
+        )
+    assert patched.value.status == 403, patched.value.body
+
+
+def test_a_tightened_policy_lets_the_running_attempt_finish_and_never_restarts_it(kube, start_operator, namespace):
+    """Issue 17 item 7: `helm upgrade` tightens the policy while a job trains (before: Failed at once,
+    its JobSet deleted with 5 s of grace, nothing saved). The attempt goes on with a PolicyViolation
+    condition and Event; when it ends, the job is Failed/PolicyViolation instead of restarted."""
+    cluster = Cluster(kube, namespace)
     handlers.RUNTIME.policy = policy.Policy(checkpoint_locations=(ALLOWED,))
+    before = start_operator()
+    cluster.apply(training_job_manifest("late", checkpoint=_IN))
+    first = eventually(lambda: cluster.jobset("late-a0"), what="the first JobSet")
+
+    # `helm upgrade` with a stricter policy: a new operator process, with the new flags.
+    before.stop()
+    handlers.reset_clients()
+    tightened = f"gs://{TEST_BUCKET}/other"
+    handlers.RUNTIME.policy = policy.Policy(checkpoint_locations=(tightened,))  # the job's location is outside
     start_operator()
-    custom.create_namespaced_custom_object(
-        api.GROUP, api.VERSION, namespace, api.PLURAL, training_job_manifest("late", checkpoint={"directory": ALLOWED})
-    )
+    problem = policy.LOCATION_MESSAGE.format(directory=ALLOWED, allowed=tightened)
 
-    def jobsets() -> list[Any]:
-        found: Any = custom.list_namespaced_custom_object(JOBSET_GROUP, JOBSET_VERSION, namespace, JOBSET_PLURAL)
-        return [js for js in found["items"] if not js["metadata"].get("deletionTimestamp")]
+    def warned() -> dict[str, Any] | None:
+        status: dict[str, Any] = cluster.status("late")
+        conditions = {c["type"]: c for c in status.get("conditions") or []}
+        return status if conditions.get("PolicyViolation", {}).get("status") == "True" else None
 
-    eventually(jobsets, what="the first JobSet")
-    custom.patch_namespaced_custom_object(
-        api.GROUP, api.VERSION, namespace, api.PLURAL, "late", {"spec": {"env": SECRET_ENV}}
-    )
+    status = eventually(warned, timeout=30, what="the PolicyViolation condition (before: Failed, JobSet deleted)")
+    [condition] = [c for c in status["conditions"] if c["type"] == "PolicyViolation"]
+    assert problem in condition["message"] and "its current attempt goes on" in condition["message"]
+    assert status["phase"] != "Failed"
+    assert cluster.all_jobsets() == ["late-a0"] and cluster.jobset("late-a0") is not None  # not being deleted
+    eventually(lambda: "PolicyViolation" in cluster.events("late"), what="the PolicyViolation Event")
+
+    cluster.fail_slice(first, slice_index=0, exit_code=1)  # the attempt ends: no other one outside the policy
 
     def failed() -> dict[str, Any] | None:
-        body: Any = custom.get_namespaced_custom_object(api.GROUP, api.VERSION, namespace, api.PLURAL, "late")
-        status: dict[str, Any] = body.get("status") or {}
+        status: dict[str, Any] = cluster.status("late")
         return status if status.get("phase") == "Failed" else None
 
     status = eventually(failed, what="the job to fail")
-    assert next(c for c in status["conditions"] if c["type"] == "Failed")["reason"] == "PolicyViolation"
-    eventually(lambda: not jobsets(), what="its JobSet to be deleted")
+    condition = next(c for c in status["conditions"] if c["type"] == "Failed")
+    assert (condition["reason"], condition["message"]) == ("PolicyViolation", problem)
+    eventually(lambda: cluster.all_jobsets() == [], what="the failed attempt's JobSet to go")
+    assert status.get("attempt", 0) == 0

@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import json
 import subprocess
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -13,9 +14,10 @@ from kubernetes.client.exceptions import ApiException
 from tpujob_devcluster.controlplane import tools_dir
 from tpujob_operator import api
 
-from .conftest import training_job_manifest
+from .conftest import eventually, training_job_manifest
 
 pytestmark = pytest.mark.integration
+CHART = Path(__file__).resolve().parents[2] / "charts" / "tpujob"
 
 
 def _set(manifest: dict[str, Any], path: str, value: Any) -> dict[str, Any]:
@@ -90,7 +92,31 @@ INVALID = [
     ("empty image", "spec.image", "", "spec.image"),
     ("args not a list", "spec.args", "--model tiny", "spec.args"),
     ("env without name", "spec.env", [{"value": "x"}], "spec.env[0].name"),
-    ("name too long", "metadata.name", "n" * 41, "metadata.name"),
+    # Issue 17 item 12: names JobSet's webhook would refuse after admission (retried forever).
+    ("name too long for its pods", "metadata.name", "n" * 43, "metadata.name must be at most 42 characters"),
+    ("name with a leading digit", "metadata.name", "7b-llama", "metadata.name 7b-llama is not valid"),
+    ("name with a dot", "metadata.name", "llama.v2", "metadata.name llama.v2 is not valid"),
+    ("image with a trailing space", "spec.image", "tpujob-trainer:dev ", "spec.image"),
+    ("image with a leading newline", "spec.image", "\ntpujob-trainer:dev", "spec.image"),
+    ("env valueFrom without a source", "spec.env", [{"name": "X", "valueFrom": {}}], "spec.env[0].valueFrom"),
+    (
+        "env valueFrom with two sources",
+        "spec.env",
+        [{"name": "X", "valueFrom": {"fieldRef": {"fieldPath": "a"}, "secretKeyRef": {"name": "s", "key": "k"}}}],
+        "spec.env[0].valueFrom",
+    ),
+    (
+        "request above its limit",
+        "spec.resources",
+        {"requests": {"cpu": "2", "memory": "1Gi"}, "limits": {"cpu": "1500m"}},
+        "spec.resources.requests.cpu must not exceed spec.resources.limits.cpu",
+    ),
+    (
+        "cpu request named in the refusal",
+        "spec.resources",
+        {"requests": {"cpu": "1", "example.com/gpu": "lots"}},
+        "spec.resources.requests[example.com/gpu]",
+    ),
     *[
         # Issue 7 item 8: numbers that would overflow the operator's computations.
         (
@@ -225,7 +251,7 @@ VALID = [
             },
             "limits": {
                 "cpu": 4,
-                "memory": "1.5G",
+                "memory": "17.5G",  # at least the request's 16Gi
                 "example.com/c": ".5",
                 "example.com/d": "+1",
                 "example.com/e": "100n",
@@ -290,6 +316,22 @@ VALID = [
         [{"name": f"V{i}", "value": "1"} for i in range(257)],
     ),
     ("1024 args", "spec.args", ["x"] * 1024, ["x"] * 1025),
+    ("the longest name for its pods", "metadata.name", "n" * 42, "n" * 43),
+    (
+        "request equal to its limit",
+        "spec.resources",
+        {"requests": {"cpu": "1", "memory": "1Gi"}, "limits": {"cpu": "1000m", "memory": "1Gi"}},
+        {"requests": {"cpu": "1001m"}, "limits": {"cpu": "1"}},
+    ),
+]
+
+# Issue 17 item 12: a refusal says what is wrong in words, never a raw regular expression.
+IN_WORDS = [
+    ("spec.checkpoint.directory", "gs://BUCKET/runs", "the bucket name is 3-222 lowercase letters"),
+    ("spec.tpu.topology", "2by2", "two or three numbers joined by x"),
+    ("spec.env", [{"name": "1X", "value": "1"}], "must not start with a digit"),
+    ("spec.priorityClassName", "High", "lowercase letters, digits, '-' and '.'"),
+    ("spec.serviceAccountName", "my_sa", "lowercase letters, digits, '-' and '.'"),
 ]
 
 
@@ -318,6 +360,27 @@ def test_edge_case_is_accepted_and_its_neighbour_refused(kube, namespace, case, 
         _create(kube, namespace, _set(training_job_manifest("over"), path, neighbour))
     assert refused.value.status == 422, refused.value.body
     assert path in json.loads(refused.value.body)["message"]
+
+
+@pytest.mark.parametrize(("path", "value", "words"), IN_WORDS, ids=[c[0] for c in IN_WORDS])
+def test_a_malformed_value_is_refused_in_words(kube, namespace, path, value, words):
+    with pytest.raises(ApiException) as refused:
+        _create(kube, namespace, _set(training_job_manifest("words"), path, value))
+    message = json.loads(refused.value.body)["message"]
+    assert words in message and "should match" not in message, message
+
+
+def test_the_longest_name_depends_on_the_spec(kube, namespace):
+    """256 slices of 1536 hosts each: 37 characters at most (the message says so), where 2 slices allow 42."""
+    big = {"tpu": {"accelerator": "tpu-v5p-slice", "topology": "16x16x24", "slices": 256}}
+    with pytest.raises(ApiException) as refused:
+        _create(kube, namespace, training_job_manifest("n" * 38, **big))
+    assert "metadata.name must be at most 37 characters for this spec" in json.loads(refused.value.body)["message"]
+    _create(kube, namespace, training_job_manifest("n" * 37, **big))
+    more_restarts = {"restart": {"backoffSeconds": 0, "maxRestarts": 10_000}}
+    with pytest.raises(ApiException) as refused:
+        _create(kube, namespace, training_job_manifest("m" * 41, **more_restarts))
+    assert "metadata.name must be at most 40 characters" in json.loads(refused.value.body)["message"]
 
 
 def test_reserved_env_message_names_the_variable(kube, namespace):
@@ -376,6 +439,28 @@ def test_tpu_cannot_change_after_creation(kube, namespace):
     )
 
 
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"checkpoint": {"directory": "gs://tpujob-tests/elsewhere"}}, api.DIRECTORY_IMMUTABLE_MESSAGE),
+        ({"framework": "maxtext", "args": ["steps=5"]}, api.FRAMEWORK_IMMUTABLE_MESSAGE),
+    ],
+    ids=["checkpoint directory", "framework"],
+)
+def test_what_would_orphan_the_run_cannot_change(kube, namespace, change, message):
+    """Issue 17 item 7: a new directory (or checkpoint layout) would restart the run from step 0 elsewhere."""
+    _create(kube, namespace, training_job_manifest("run"))
+    custom = client.CustomObjectsApi(kube)
+    with pytest.raises(ApiException) as refused:
+        custom.patch_namespaced_custom_object(api.GROUP, api.VERSION, namespace, api.PLURAL, "run", {"spec": change})
+    assert refused.value.status == 422
+    assert message in json.loads(refused.value.body)["message"]
+    # The checkpoint policy around the directory stays editable.
+    custom.patch_namespaced_custom_object(
+        api.GROUP, api.VERSION, namespace, api.PLURAL, "run", {"spec": {"checkpoint": {"keep": {"latest": 5}}}}
+    )
+
+
 def test_printer_columns_come_back_from_the_apiserver(kube, control_plane, namespace):
     _create(kube, namespace, training_job_manifest("cols"))
     code, table = control_plane.request(
@@ -404,3 +489,38 @@ def test_kubectl_explain_shows_field_descriptions(control_plane):
     )
     assert "minIntervalSeconds" in result.stdout
     assert "start a new async save as soon as the previous one finished" in result.stdout
+
+
+EXAMPLES = sorted((Path(__file__).resolve().parents[2] / "examples").glob("*.yaml"))
+
+
+def test_every_example_applies_as_shipped(control_plane, kube, namespace):
+    """Issue 17 item 12: `kubectl apply -f examples/<file>.yaml` works as is, with the chart's default
+    policy in force (as on the devcluster): server-side dry run, so admission runs but nothing is kept."""
+    assert {p.name for p in EXAMPLES} >= {"trainingjob.yaml", "demo.yaml", "maxtext.yaml"}
+    helm = [str(tools_dir() / "helm"), "--kubeconfig", str(control_plane.kubeconfig), "--namespace", namespace]
+    install = [*helm, "install", "tpujob", str(CHART), "--skip-crds", "--set", f"watchNamespaces={{{namespace}}}"]
+    subprocess.run(install, check=True, capture_output=True, timeout=120)
+    try:
+        # The admission policy is in force (it syncs in the background): an unlisted account is refused.
+        probe = training_job_manifest("probe", serviceAccountName="not-listed")
+
+        def in_force() -> bool:
+            try:
+                client.CustomObjectsApi(kube).create_namespaced_custom_object(
+                    api.GROUP, api.VERSION, namespace, api.PLURAL, probe, dry_run="All"
+                )
+            except ApiException as error:
+                return error.status == 403
+            return False
+
+        eventually(in_force, timeout=30, what="the admission policy")
+        kubectl = [str(tools_dir() / "kubectl"), "--kubeconfig", str(control_plane.kubeconfig), "-n", namespace]
+        for example in EXAMPLES:
+            result = subprocess.run(
+                [*kubectl, "apply", "--dry-run=server", "-f", str(example)], capture_output=True, text=True, timeout=60
+            )
+            assert result.returncode == 0, f"{example.name}: {result.stderr}"
+            assert "created (server dry run)" in result.stdout, result.stdout
+    finally:
+        subprocess.run([*helm, "uninstall", "tpujob"], check=True, capture_output=True, timeout=120)

@@ -4,9 +4,11 @@ fails as InvalidSpec instead of breaking a computation or a JobSet (issue 7, ite
 from __future__ import annotations
 
 import re
+from pathlib import Path
 from typing import Any
 
 import pytest
+import yaml
 from pydantic import ValidationError
 from tpujob_operator import api, jobset
 from tpujob_operator.jobset import build_jobset
@@ -163,10 +165,11 @@ INVALID_QUANTITIES: list[int | str] = [
 @pytest.mark.parametrize("value", INVALID_QUANTITIES, ids=repr)
 @pytest.mark.parametrize("field", ["requests", "limits"])
 def test_resource_values_that_are_not_quantities_are_refused(field: str, value: int | str):
+    # Issue 17 item 12: the message names the key, not only the map.
     with pytest.raises(
-        ValidationError, match=f"spec.resources.{field} values must be non-negative Kubernetes quantities"
+        ValidationError, match=re.escape(api.QUANTITY_KEY_MESSAGE.format(field=field, key="example.com/b"))
     ):
-        training_job(resources={field: {"cpu": value}})
+        training_job(resources={field: {"cpu": "1", "example.com/b": value}})
     # ... while every form of a quantity Kubernetes accepts still is.
     valid = {f"example.com/r{i}": v for i, v in enumerate(VALID_QUANTITIES)}
     assert getattr(training_job(resources={field: valid}).spec.resources, field) == valid
@@ -308,3 +311,107 @@ def test_adaptive_max_interval_below_min_interval_is_refused():
 def test_adaptive_budget_out_of_range_is_refused(budget: float):
     with pytest.raises(ValidationError, match=r"spec\.checkpoint\.overheadBudgetPercent"):
         training_job(checkpoint={"directory": "gs://bkt", "policy": "adaptive", "overheadBudgetPercent": budget})
+
+
+# Issue 17 item 12: what JobSet's webhook (or the Job controller) would refuse after admission, refused
+# by the model too, in words.
+
+
+def _longest_pod_name(tj: api.TrainingJob, attempt: int) -> str:
+    """JobSet's webhook check (placement.GenPodName + the Job controller's 5-character suffix), from the manifest."""
+    manifest = build_jobset(tj, attempt=attempt, resume_step=None)
+    [rjob] = manifest["spec"]["replicatedJobs"]
+    last_pod = rjob["template"]["spec"]["completions"] - 1
+    return f"{manifest['metadata']['name']}-{rjob['name']}-{rjob['replicas'] - 1}-{last_pod}-abcde"
+
+
+@pytest.mark.parametrize(
+    ("shape", "max_restarts"),
+    [
+        (("tpu-v5p-slice", "2x2x2", 1), 3),
+        (("tpu-v5p-slice", "2x2x2", 2), 3),
+        (("tpu-v5p-slice", "16x16x24", 256), 3),  # 1536 hosts per slice
+        (("tpu-v6e-slice", "2x2", 12), 10_000),
+        (("tpu-v5-lite-podslice", "1x1", 1), 1000),
+    ],
+)
+def test_the_longest_name_allowed_is_the_longest_jobset_accepts(shape: tuple[str, str, int], max_restarts: int):
+    accelerator, topology, slices = shape
+    spec: dict[str, Any] = {
+        "accelerator": accelerator,
+        "topology": topology,
+        "slices": slices,
+        "restart": {"maxRestarts": max_restarts},
+    }
+    limit = api.max_name_length(training_job(**spec).spec)
+    last_attempt = max(api.MIN_RESERVED_ATTEMPTS, max_restarts)
+    at_limit = training_job(name="n" * limit, **spec)
+    assert len(_longest_pod_name(at_limit, last_attempt)) == api.DNS_LABEL_LENGTH
+    with pytest.raises(ValidationError, match=re.escape(api.NAME_LENGTH_MESSAGE.format(limit=limit))):
+        training_job(name="n" * (limit + 1), **spec)
+
+
+@pytest.mark.parametrize("name", ["7b-llama", "llama.v2", "Llama", "llama-", "-llama", "llama_2"])
+def test_a_name_that_is_not_a_dns_1035_label_is_refused(name: str):
+    with pytest.raises(ValidationError, match=re.escape(api.NAME_DNS_MESSAGE)):
+        training_job(name=name)
+    assert training_job(name="llama-7b-v2").name == "llama-7b-v2"
+
+
+@pytest.mark.parametrize("image", [" tpujob:1", "tpujob:1 ", "tpujob:1\n", "\ttpujob:1"])
+def test_an_image_with_surrounding_whitespace_is_refused(image: str):
+    with pytest.raises(ValidationError, match=re.escape(api.IMAGE_MESSAGE)):
+        training_job(image=image)
+
+
+@pytest.mark.parametrize(
+    "value_from",
+    [{}, {"secretKeyRef": {"name": "s", "key": "k"}, "configMapKeyRef": {"name": "c", "key": "k"}}],
+    ids=["no source", "two sources"],
+)
+def test_env_value_from_needs_exactly_one_source(value_from: dict[str, Any]):
+    with pytest.raises(ValidationError, match=re.escape(api.VALUE_FROM_MESSAGE)):
+        training_job(env=[{"name": "X", "valueFrom": value_from}])
+    one = {"fieldRef": {"fieldPath": "metadata.name"}}
+    assert training_job(env=[{"name": "X", "valueFrom": one}]).spec.env[0].value_from == one  # type: ignore[index]
+
+
+@pytest.mark.parametrize(
+    ("request_", "limit", "refused"),
+    [("2", "1", True), ("1500m", "1", True), ("1Gi", "1G", True), (2, "1", True), ("1", "1000m", False),
+     ("1G", "1Gi", False), ("1e3", "1k", False), (1, 2, False)],
+)  # fmt: skip
+def test_a_request_above_its_limit_is_refused_naming_the_key(request_: int | str, limit: int | str, refused: bool):
+    resources = {"requests": {"cpu": request_, "memory": "1Gi"}, "limits": {"cpu": limit}}
+    if refused:
+        with pytest.raises(ValidationError, match=re.escape(api.REQUEST_ABOVE_LIMIT_MESSAGE.format(key="cpu"))):
+            training_job(resources=resources)
+    else:
+        assert training_job(resources=resources).spec.resources is not None
+
+
+@pytest.mark.parametrize(
+    ("spec", "message"),
+    [
+        ({"checkpoint": {"directory": "gs://BUCKET/runs"}}, api.DIRECTORY_MESSAGE),
+        ({"checkpoint": {"directory": "gs://b/with space"}}, api.DIRECTORY_MESSAGE),
+        ({"checkpoint": {"directory": "s3://bucket"}}, api.DIRECTORY_MESSAGE),
+        ({"topology": "2by2"}, api.TOPOLOGY_MESSAGE),
+        ({"env": [{"name": "1X", "value": "1"}]}, api.ENV_NAME_MESSAGE),
+        ({"priorityClassName": "High"}, api.DNS_SUBDOMAIN_MESSAGE.format(field="priorityClassName")),
+        ({"serviceAccountName": "my_sa"}, api.DNS_SUBDOMAIN_MESSAGE.format(field="serviceAccountName")),
+    ],
+)
+def test_a_malformed_value_is_refused_in_words(spec: dict[str, Any], message: str):
+    with pytest.raises(ValidationError, match=re.escape(message)) as refused:
+        training_job(**spec)
+    assert "should match" not in str(refused.value)
+
+
+def test_every_example_is_a_valid_training_job():
+    """Issue 17 item 12: the examples hold no placeholder the CRD refuses (gs://BUCKET did)."""
+    examples = sorted((Path(__file__).resolve().parents[2] / "examples").glob("*.yaml"))
+    docs = [d for path in examples for d in yaml.safe_load_all(path.read_text()) if d and d["kind"] == api.KIND]
+    assert len(docs) >= 3
+    for doc in docs:
+        api.TrainingJob.model_validate(doc)

@@ -77,7 +77,7 @@ def test_strings_that_cel_inspects_have_a_max_length():
     spec = _spec_schema()
     for path, node in _walk(spec):
         if node.get("type") == "string" and "x-kubernetes-validations" in node:
-            assert "maxLength" in node, path
+            assert "maxLength" in node or "enum" in node, path  # an enum's values bound it
     assert "maxLength" in spec["properties"]["env"]["items"]["properties"]["name"]
     assert "maxLength" in spec["properties"]["tpu"]["properties"]["topology"]
 
@@ -92,7 +92,8 @@ def test_every_spec_rule_message_names_a_field():
 
 def test_reserved_env_rule_is_generated_from_the_constant():
     env = _spec_schema()["properties"]["env"]["items"]
-    assert env["properties"]["name"]["pattern"] == "^[-._a-zA-Z][-._a-zA-Z0-9]*$"
+    [name_rule] = env["properties"]["name"]["x-kubernetes-validations"]
+    assert name_rule == {"rule": "self.matches('^[-._a-zA-Z][-._a-zA-Z0-9]*$')", "message": api.ENV_NAME_MESSAGE}
     (reserved,) = [r for r in env["x-kubernetes-validations"] if r.get("fieldPath") == ".name"]
     for name in api.OPERATOR_ENV_NAMES:
         assert f"'{name}'" in reserved["rule"]
@@ -110,9 +111,31 @@ def test_new_spec_rules_are_in_the_schema():
     for field in ("requests", "limits"):
         node = spec["resources"]["properties"][field]
         rules = " ".join(r["rule"] for r in node["x-kubernetes-validations"])
-        assert "'google.com/tpu' in self" in rules and "isQuantity(" in rules, field
+        value_rules = " ".join(r["rule"] for r in node["additionalProperties"]["x-kubernetes-validations"])
+        assert "'google.com/tpu' in self" in rules and "isQuantity(" in value_rules, field
         assert node["maxProperties"] == api.MAX_RESOURCES
     directory = spec["checkpoint"]["properties"]["directory"]
-    assert len(directory["x-kubernetes-validations"]) == 2
+    assert len(directory["x-kubernetes-validations"]) == 4
     assert spec["restart"]["properties"]["backoffSeconds"]["maximum"] == 604_800
     assert spec["env"]["maxItems"] == 256 and spec["args"]["maxItems"] == 1024
+
+
+def test_no_refusal_prints_a_raw_regular_expression():
+    """Issue 17 item 12: a pattern's refusal is the regex itself; every pattern is a CEL rule with words."""
+    assert [path for path, node in _walk(crd.build_crd()) if "pattern" in node] == []
+
+
+def test_what_would_orphan_the_run_is_immutable():
+    """Issue 17 item 7: the checkpoint directory and the framework (the run's layout) and the TPU shape."""
+    spec = _spec_schema()["properties"]
+    transition = {
+        path: rule["message"]
+        for path, node in _walk(spec)
+        for rule in node.get("x-kubernetes-validations", [])
+        if "oldSelf" in rule["rule"]
+    }
+    assert transition == {
+        "$.framework": api.FRAMEWORK_IMMUTABLE_MESSAGE,
+        "$.tpu": "spec.tpu is immutable",
+        "$.checkpoint.properties.directory": api.DIRECTORY_IMMUTABLE_MESSAGE,
+    }

@@ -3,14 +3,20 @@
 from __future__ import annotations
 
 import argparse
+from datetime import UTC, datetime
+from typing import Any
 
 import pytest
 from tpujob_operator import policy
+from tpujob_operator.facts import Actions
+from tpujob_operator.jobset import LABEL_UID
 from tpujob_operator.policy import Policy, violations
 
 from .factories import training_job
 
-OPERATOR = Policy(operator_namespace="tpujob-system", operator_service_account="tpujob")
+OPERATOR = Policy(
+    operator_namespace="tpujob-system", operator_service_account="tpujob", service_accounts=("trainer", "tpujob")
+)
 
 
 def job_in(namespace: str, **spec):
@@ -21,6 +27,7 @@ def job_in(namespace: str, **spec):
 
 def test_a_plain_job_breaks_nothing_under_the_defaults():
     assert violations(training_job(), Policy()) == []
+    assert violations(training_job(serviceAccountName="default"), Policy()) == []  # the same as unset
     assert violations(training_job(serviceAccountName="trainer"), OPERATOR) == []
 
 
@@ -42,10 +49,37 @@ def test_no_service_account_of_the_operators_namespace_may_be_named():
     assert violations(job_in("tpujob-system"), OPERATOR) == []
 
 
-def test_service_account_name_can_be_forbidden_everywhere():
-    strict = Policy(service_account_name_allowed=False)
-    assert violations(training_job(serviceAccountName="trainer"), strict) == [policy.ACCOUNT_FORBIDDEN_MESSAGE]
-    assert violations(training_job(), strict) == []
+def test_only_listed_service_accounts_are_allowed_and_none_by_default():
+    """Issue 17 item 11: a tenant cannot run its workers as any account of the namespace."""
+    assert violations(training_job(serviceAccountName="trainer"), Policy()) == [
+        "spec.serviceAccountName trainer is not allowed (policy.allowedServiceAccounts: none); "
+        "leave it unset to run as the namespace's default"
+    ]
+    listed = Policy(service_accounts=("trainer", "reader"))
+    assert violations(training_job(serviceAccountName="trainer"), listed) == []
+    assert violations(training_job(serviceAccountName="ci-deployer"), listed) == [
+        policy.ACCOUNT_FORBIDDEN_MESSAGE.format(name="ci-deployer", allowed="trainer, reader")
+    ]
+    assert violations(training_job(serviceAccountName="ci-deployer"), Policy(service_accounts=("*",))) == []
+    # "*" never opens the operator's namespace.
+    anything = Policy(service_accounts=("*",), operator_namespace="tpujob-system")
+    assert violations(job_in("tpujob-system", serviceAccountName="x"), anything) == [
+        policy.OPERATOR_NAMESPACE_MESSAGE.format(namespace="tpujob-system")
+    ]
+
+
+def test_only_listed_priority_classes_are_allowed_and_none_by_default():
+    """Issue 17 item 11: a tenant cannot preempt the others with a PriorityClass of its choosing."""
+    assert violations(training_job(priorityClassName="system-cluster-critical"), Policy()) == [
+        "spec.priorityClassName system-cluster-critical is not allowed (policy.allowedPriorityClasses: none)"
+    ]
+    listed = Policy(priority_classes=("batch-low", "batch-high"))
+    assert violations(training_job(priorityClassName="batch-low"), listed) == []
+    assert violations(training_job(priorityClassName="batch-urgent"), listed) == [
+        policy.PRIORITY_FORBIDDEN_MESSAGE.format(name="batch-urgent", allowed="batch-low, batch-high")
+    ]
+    assert violations(training_job(priorityClassName="anything"), Policy(priority_classes=("*",))) == []
+    assert violations(training_job(), Policy()) == []
 
 
 @pytest.mark.parametrize(
@@ -126,7 +160,9 @@ def test_flags_build_the_policy_and_default_to_the_charts_defaults():
         _parse(
             "--allowed-checkpoint-location=gs://a/",
             "--allowed-checkpoint-location=gs://b/runs",
-            "--no-allow-service-account-name",
+            "--allowed-service-account=trainer",
+            "--allowed-service-account=reader",
+            "--allowed-priority-class=batch-low",
             "--allow-secret-key-ref",
             "--operator-namespace=tpujob-system",
             "--operator-service-account=tpujob",
@@ -135,7 +171,8 @@ def test_flags_build_the_policy_and_default_to_the_charts_defaults():
     )
     assert built == Policy(
         checkpoint_locations=("gs://a", "gs://b/runs"),
-        service_account_name_allowed=False,
+        service_accounts=("trainer", "reader"),
+        priority_classes=("batch-low",),
         secret_key_ref_allowed=True,
         operator_namespace="tpujob-system",
         operator_service_account="tpujob",
@@ -146,3 +183,55 @@ def test_flags_build_the_policy_and_default_to_the_charts_defaults():
 def test_a_malformed_location_is_refused(location):
     with pytest.raises(ValueError, match="gs://bucket"):
         policy.normalise_location(location)
+
+
+# Issue 17 item 7: a policy tightened while a job runs never stops it unsaved.
+
+
+def _jobset(name: str, uid: str = "0000-1111", **spec: Any) -> dict[str, Any]:
+    return {"metadata": {"name": name, "labels": {LABEL_UID: uid}}, "spec": spec}
+
+
+def test_a_running_attempt_is_the_live_unsuspended_jobset_of_this_job():
+    tj = training_job()
+    assert policy.running_attempt(tj, [_jobset("llama-a0")]) == "llama-a0"
+    assert policy.running_attempt(tj, []) is None
+    assert policy.running_attempt(tj, [_jobset("llama-a0", suspend=True)]) is None  # queued or suspended
+    assert policy.running_attempt(tj, [_jobset("llama-a0", uid="another-incarnation")]) is None
+    deleting = _jobset("llama-a0")
+    deleting["metadata"]["deletionTimestamp"] = "2026-01-01T00:00:00Z"
+    assert policy.running_attempt(tj, [deleting]) is None
+
+
+NOW = datetime(2026, 1, 1, tzinfo=UTC)
+
+
+def test_a_running_job_outside_the_policy_goes_on_with_a_warning_once():
+    tj = training_job(status={"phase": "Running", "attempt": 0})
+    problems = ["spec.priorityClassName x is not allowed (policy.allowedPriorityClasses: none)"]
+    decided = policy.while_running(tj, tj.status, Actions(), problems, NOW)
+    assert decided is not None
+    status, actions = decided
+    [condition] = [c for c in status.conditions if c.type == "PolicyViolation"]
+    assert (condition.status, condition.reason) == ("True", "PolicyViolation")
+    assert condition.message == policy.RUNNING_MESSAGE.format(problems=problems[0])
+    assert [(e.type, e.reason, e.message) for e in actions.events] == [
+        ("Warning", "PolicyViolation", condition.message)
+    ]
+    # The next reconcile keeps the condition and posts no second Event.
+    again = training_job(status=status.model_dump(by_alias=True, exclude_none=True, mode="json"))
+    decided = policy.while_running(again, again.status, Actions(), problems, NOW)
+    assert decided is not None and decided[1].events == []
+    # Back within the policy (loosened, or the spec fixed): the condition turns False.
+    decided = policy.while_running(again, again.status, Actions(), [], NOW)
+    assert decided is not None
+    [condition] = [c for c in decided[0].conditions if c.type == "PolicyViolation"]
+    assert condition.status == "False" and decided[1].events == []
+
+
+def test_a_job_outside_the_policy_is_never_restarted():
+    tj = training_job(status={"phase": "Running", "attempt": 0})
+    assert policy.while_running(tj, tj.status, Actions(create_attempt=1), ["x"], NOW) is None
+    # Within the policy nothing changes: the decision stands as it is.
+    decided = policy.while_running(tj, tj.status, Actions(create_attempt=1), [], NOW)
+    assert decided is not None and decided[1].create_attempt == 1 and decided[0] == tj.status

@@ -8,6 +8,7 @@ and the field live together.
 from __future__ import annotations
 
 import re
+from decimal import Decimal
 from typing import Annotated, Any, Literal
 
 import tpujob_contract as contract
@@ -19,6 +20,7 @@ from pydantic import (
     ValidationError,
     ValidationInfo,
     ValidatorFunctionWrapHandler,
+    WithJsonSchema,
     WrapValidator,
     field_validator,
     model_validator,
@@ -26,16 +28,31 @@ from pydantic import (
 from pydantic.alias_generators import to_camel
 
 from . import maxtext
-from .tpu import ACCELERATORS
+from .tpu import ACCELERATORS, slice_shape
 
 GROUP = "tpujob.dev"
 VERSION = "v1alpha1"
 KIND = "TrainingJob"
 PLURAL = "trainingjobs"
 SHORT_NAMES = ["tj"]
-# The JobSet is named <name>-a<attempt> and its pods <jobset>-slice-<j>-<p>: keep the pod
-# hostname under the 63-character DNS label limit for up to 999 attempts and slices.
-MAX_NAME_LENGTH = 40
+# The JobSet is named <name>-a<attempt> and JobSet's webhook refuses it unless its longest pod name,
+# <name>-a<attempt>-slice-<slice>-<host>-xxxxx (the Job controller's 5-character suffix), is a DNS-1035
+# label (at most 63 characters). The longest name a spec allows (max_name_length) leaves room for up to
+# 999 attempts (uncounted restarts included), or spec.restart.maxRestarts if that is more.
+DNS_LABEL_LENGTH = 63
+MIN_RESERVED_ATTEMPTS = 999
+# "-a" + "-slice-" + "-" + "-xxxxx": what the name of the longest pod adds besides its numbers.
+POD_NAME_OVERHEAD = len("-a") + len("-slice-") + len("-") + len("-xxxxx")
+DNS_1035_PATTERN = r"^[a-z]([-a-z0-9]*[a-z0-9])?$"
+NAME_DNS_MESSAGE = (
+    "metadata.name must start with a lowercase letter and consist of lowercase letters, digits and '-' "
+    "(no dots, ending with a letter or digit): the JobSet, its Service and its pods are named after it"
+)
+NAME_LENGTH_MESSAGE = (
+    "metadata.name must be at most {limit} characters for this spec: its longest pod name, "
+    "<name>-a<attempt>-slice-<slice>-<host>-xxxxx, must fit in 63 characters, with attempts up to "
+    "max(999, spec.restart.maxRestarts)"
+)
 
 # Upper bounds of the spec's numbers: every value the operator computes with (backoff, deadlines,
 # datetimes) stays in range, and the CEL cost estimate of every rule stays within budget.
@@ -50,6 +67,8 @@ MAX_COMMAND = 256
 MAX_ARGS = 1024
 MAX_RESOURCES = 32
 MAX_QUANTITY_LENGTH = 64
+MAX_SLICES = 256
+MAX_IMAGE_LENGTH = 1024  # a registry/repository:tag@digest reference fits in far less
 TPU_RESOURCE_NAME = "google.com/tpu"  # set by the operator from the slice shape (jobset.TPU_RESOURCE)
 
 # Environment variables the operator sets in every worker (jobset.trainer_env): the contract's
@@ -107,6 +126,10 @@ def cel(
     return validation
 
 
+def _dns_subdomain_rule(field: str) -> dict[str, JsonValue]:
+    return cel(f"self.matches('{DNS_SUBDOMAIN_PATTERN}')", DNS_SUBDOMAIN_MESSAGE.format(field=field))
+
+
 def _cel_list(values: tuple[str, ...]) -> str:
     return "[" + ", ".join(f"'{v}'" for v in values) + "]"
 
@@ -115,10 +138,41 @@ RESERVED_ENV_MESSAGE = "spec.env[].name must not name a variable the operator se
     [*OPERATOR_ENV_NAMES, *(f"{p}*" for p in OPERATOR_ENV_PREFIXES)]
 )
 ENV_VALUE_AND_VALUE_FROM_MESSAGE = "spec.env[].value and spec.env[].valueFrom are mutually exclusive"
+# A Pod's env[].valueFrom sources: exactly one of them (the Job controller refuses the pods otherwise).
+VALUE_SOURCES = ("secretKeyRef", "configMapKeyRef", "fieldRef", "resourceFieldRef")
+VALUE_FROM_MESSAGE = "spec.env[].valueFrom must set exactly one of " + ", ".join(VALUE_SOURCES)
+ENV_NAME_MESSAGE = "spec.env[].name must consist of letters, digits, '_', '-' and '.', and must not start with a digit"
+IMAGE_MESSAGE = "spec.image must not have leading or trailing whitespace"
+DNS_SUBDOMAIN_PATTERN = r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$"
+DNS_SUBDOMAIN_MESSAGE = (
+    "spec.{field} must be lowercase letters, digits, '-' and '.', starting and ending with a letter or digit"
+)
 TPU_RESOURCE_MESSAGE = (
     f"spec.resources.{{field}} must not set {TPU_RESOURCE_NAME}: the operator requests the slice's TPU chips itself"
 )
 QUANTITY_MESSAGE = "spec.resources.{field} values must be non-negative Kubernetes quantities (e.g. 4, 500m, 16Gi, 1.5)"
+# The apiserver names a map value's key in its path (spec.resources.requests[cpu]); so does the model.
+QUANTITY_KEY_MESSAGE = "spec.resources.{field}[{key}]: " + QUANTITY_MESSAGE
+REQUEST_ABOVE_LIMIT_MESSAGE = "spec.resources.requests.{key} must not exceed spec.resources.limits.{key}"
+# Resources whose request-above-limit refusal names them; any other is refused as "a resource".
+NAMED_RESOURCES = ("cpu", "memory", "ephemeral-storage")
+# gs://bucket[/prefix], for RE2 and Python alike (\S: ASCII whitespace in RE2, and in Python with re.ASCII).
+DIRECTORY_PATTERN = r"^gs://[a-z0-9][a-z0-9._-]{1,220}[a-z0-9](/\S*)?$"
+DIRECTORY_MESSAGE = (
+    "spec.checkpoint.directory must be gs://BUCKET or gs://BUCKET/PREFIX: the bucket name is 3-222 lowercase "
+    "letters, digits, dots, dashes and underscores, starting and ending with a letter or digit, and the path "
+    "has no whitespace"
+)
+DIRECTORY_IMMUTABLE_MESSAGE = (
+    "spec.checkpoint.directory is immutable: the run's checkpoints are under it (another location is another "
+    "TrainingJob)"
+)
+FRAMEWORK_IMMUTABLE_MESSAGE = (
+    "spec.framework is immutable: the run's checkpoints and progress are laid out by it (another framework is "
+    "another TrainingJob)"
+)
+TOPOLOGY_PATTERN = r"^[0-9]+x[0-9]+(x[0-9]+)?$"
+TOPOLOGY_MESSAGE = "spec.tpu.topology must be two or three numbers joined by x, e.g. 2x2x2 or 4x4"
 DIRECTORY_EMPTY_SEGMENT_MESSAGE = "spec.checkpoint.directory must not contain an empty path segment (//)"
 DIRECTORY_DOT_SEGMENT_MESSAGE = "spec.checkpoint.directory must not contain a . or .. path segment"
 BACKOFF_MESSAGE = "spec.restart.maxBackoffSeconds must be at least spec.restart.backoffSeconds"
@@ -143,16 +197,60 @@ def is_quantity(value: int | str) -> bool:
     return not (value.startswith("-") and any(c in "123456789" for c in match.group(1)))
 
 
+# Binary and decimal SI suffixes (resource.Quantity's), for comparing a request with its limit.
+_SUFFIXES: dict[str, int | Decimal] = {"Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40, "Pi": 2**50, "Ei": 2**60}
+_SUFFIXES |= {s: Decimal(10) ** e for s, e in (("n", -9), ("u", -6), ("m", -3), ("k", 3), ("M", 6), ("G", 9),
+              ("T", 12), ("P", 15), ("E", 18))}  # fmt: skip
+
+
+def quantity_value(value: int | str) -> Decimal:
+    """The number a Kubernetes quantity stands for (is_quantity(value) must hold)."""
+    if isinstance(value, int):
+        return Decimal(value)
+    match = _QUANTITY.match(value)
+    assert match is not None, value
+    digits = match.group(1)
+    number = Decimal(value[: match.start(3)] if match.start(3) >= 0 else value) if digits.strip(".") else Decimal(0)
+    suffix = match.group(3) or ""
+    if suffix and suffix not in _SUFFIXES:  # a decimal exponent, e.g. 1e3 (E alone is exa)
+        return number * Decimal(10) ** int(suffix[1:])
+    return number * _SUFFIXES.get(suffix, 1)
+
+
+# On each value of the map, so that the apiserver's path names the key (a messageExpression that
+# named it would cost too much: a map key's length has no bound CEL can know).
+def _quantity_rule(field: str) -> dict[str, JsonValue]:
+    return cel(
+        # int-or-string: an integer arrives as a CEL int, anything else as a string.
+        "type(self) == int ? self >= 0 "
+        ": (isQuantity(string(self)) && !quantity(string(self)).isLessThan(quantity('0')))",
+        QUANTITY_MESSAGE.format(field=field),
+    )
+
+
 def _resource_rules(field: str) -> list[dict[str, JsonValue]]:
-    return [
-        cel(f"!('{TPU_RESOURCE_NAME}' in self)", TPU_RESOURCE_MESSAGE.format(field=field)),
-        cel(
-            # int-or-string: an integer arrives as a CEL int, anything else as a string.
-            "self.all(k, type(self[k]) == int ? self[k] >= 0 : "
-            "(isQuantity(string(self[k])) && !quantity(string(self[k])).isLessThan(quantity('0'))))",
-            QUANTITY_MESSAGE.format(field=field),
-        ),
+    return [cel(f"!('{TPU_RESOURCE_NAME}' in self)", TPU_RESOURCE_MESSAGE.format(field=field))]
+
+
+def _request_within_limit_rules() -> list[dict[str, JsonValue]]:
+    """One rule per named resource (its message names it), one for every other resource."""
+
+    def exceeds(key: str) -> str:
+        request, limit = f"string(self.requests[{key}])", f"string(self.limits[{key}])"
+        return (
+            f"{key} in self.requests && {key} in self.limits && isQuantity({request}) && isQuantity({limit}) "
+            f"&& quantity({request}).compareTo(quantity({limit})) > 0"
+        )
+
+    both = "!has(self.requests) || !has(self.limits) || "
+    named = [
+        cel(f"{both}!({exceeds(repr(key))})", REQUEST_ABOVE_LIMIT_MESSAGE.format(key=key)) for key in NAMED_RESOURCES
     ]
+    other = cel(
+        f"{both}!self.requests.exists(k, !(k in {_cel_list(NAMED_RESOURCES)}) && {exceeds('k')})",
+        REQUEST_ABOVE_LIMIT_MESSAGE.replace(".{key}", "") + " for any resource",
+    )
+    return [*named, other]
 
 
 class ApiModel(BaseModel):
@@ -179,6 +277,13 @@ class EnvVar(ApiModel):
                     ENV_VALUE_AND_VALUE_FROM_MESSAGE,
                     ".valueFrom",
                 ),
+                cel(
+                    "!has(self.valueFrom) || "
+                    + " + ".join(f"(has(self.valueFrom.{source}) ? 1 : 0)" for source in VALUE_SOURCES)
+                    + " == 1",
+                    VALUE_FROM_MESSAGE,
+                    ".valueFrom",
+                ),
             ]
         }
     )
@@ -186,20 +291,35 @@ class EnvVar(ApiModel):
     name: str = Field(
         min_length=1,
         max_length=MAX_ENV_NAME_LENGTH,
-        pattern=ENV_NAME_PATTERN,
+        json_schema_extra={"x-kubernetes-validations": [cel(f"self.matches('{ENV_NAME_PATTERN}')", ENV_NAME_MESSAGE)]},
         description=(
             "Environment variable name. Names the operator sets (TPUJOB_NAME, TPUJOB_RUN_DIR, ..., "
             "TPUJOB_CHECKPOINT_*, MEGASCALE_*) are refused; trainer knobs such as TPUJOB_MODEL are allowed."
         ),
     )
     value: str | None = Field(default=None, description="Literal value.")
-    value_from: dict[str, Any] | None = Field(
-        default=None, description="Source of the value, as in a Pod's env[].valueFrom (secretKeyRef, fieldRef, ...)."
+    # The sources are typed (each as the Pod API has it, checked by the Job controller), so that a rule
+    # can count them; anything else under valueFrom is pruned by the apiserver.
+    value_from: Annotated[
+        dict[str, Any] | None,
+        WithJsonSchema(
+            {
+                "type": "object",
+                "properties": {
+                    source: {"type": "object", "x-kubernetes-preserve-unknown-fields": True} for source in VALUE_SOURCES
+                },
+            }
+        ),
+    ] = Field(
+        default=None,
+        description="Source of the value, as in a Pod's env[].valueFrom: exactly one of " + ", ".join(VALUE_SOURCES),
     )
 
     @field_validator("name")
     @classmethod
     def _not_set_by_the_operator(cls, name: str) -> str:
+        if not re.match(ENV_NAME_PATTERN, name):
+            raise ValueError(ENV_NAME_MESSAGE)
         if is_operator_env(name):
             raise ValueError(RESERVED_ENV_MESSAGE)
         return name
@@ -208,6 +328,8 @@ class EnvVar(ApiModel):
     def _value_or_value_from(self) -> EnvVar:
         if self.value and self.value_from is not None:
             raise ValueError(ENV_VALUE_AND_VALUE_FROM_MESSAGE)
+        if self.value_from is not None and sum(source in self.value_from for source in VALUE_SOURCES) != 1:
+            raise ValueError(VALUE_FROM_MESSAGE)
         return self
 
 
@@ -216,7 +338,17 @@ Quantity = Annotated[str, Field(max_length=MAX_QUANTITY_LENGTH)]
 
 
 class Resources(ApiModel):
-    requests: dict[str, int | Quantity] | None = Field(
+    model_config = ConfigDict(json_schema_extra={"x-kubernetes-validations": _request_within_limit_rules()})
+
+    requests: (
+        dict[
+            str,
+            Annotated[
+                int | Quantity, Field(json_schema_extra={"x-kubernetes-validations": [_quantity_rule("requests")]})
+            ],
+        ]
+        | None
+    ) = Field(
         default=None,
         max_length=MAX_RESOURCES,
         description=(
@@ -225,7 +357,15 @@ class Resources(ApiModel):
         ),
         json_schema_extra={"x-kubernetes-validations": _resource_rules("requests")},  # type: ignore[dict-item]
     )
-    limits: dict[str, int | Quantity] | None = Field(
+    limits: (
+        dict[
+            str,
+            Annotated[
+                int | Quantity, Field(json_schema_extra={"x-kubernetes-validations": [_quantity_rule("limits")]})
+            ],
+        ]
+        | None
+    ) = Field(
         default=None,
         max_length=MAX_RESOURCES,
         description=(
@@ -241,9 +381,18 @@ class Resources(ApiModel):
         field = str(info.field_name)
         if values is not None and TPU_RESOURCE_NAME in values:
             raise ValueError(TPU_RESOURCE_MESSAGE.format(field=field))
-        if values is not None and not all(is_quantity(v) for v in values.values()):
-            raise ValueError(QUANTITY_MESSAGE.format(field=field))
+        bad = [key for key, value in (values or {}).items() if not is_quantity(value)]
+        if bad:
+            raise ValueError("; ".join(QUANTITY_KEY_MESSAGE.format(field=field, key=key) for key in bad))
         return values
+
+    @model_validator(mode="after")
+    def _requests_within_limits(self) -> Resources:
+        requests, limits = self.requests or {}, self.limits or {}
+        above = [k for k, v in requests.items() if k in limits and quantity_value(v) > quantity_value(limits[k])]
+        if above:
+            raise ValueError("; ".join(REQUEST_ABOVE_LIMIT_MESSAGE.format(key=key) for key in above))
+        return self
 
 
 class TpuSpec(ApiModel):
@@ -266,10 +415,17 @@ class TpuSpec(ApiModel):
     )
     topology: str = Field(
         max_length=32,
-        pattern=r"^[0-9]+x[0-9]+(x[0-9]+)?$",
         description="Slice topology, as on the node label cloud.google.com/gke-tpu-topology (e.g. 2x2x2, 4x4).",
+        json_schema_extra={"x-kubernetes-validations": [cel(f"self.matches('{TOPOLOGY_PATTERN}')", TOPOLOGY_MESSAGE)]},
     )
-    slices: int = Field(default=1, ge=1, le=256, description="Number of TPU slices (one JobSet child Job each).")
+    slices: int = Field(default=1, ge=1, le=MAX_SLICES, description="Number of TPU slices (one JobSet child Job each).")
+
+    @field_validator("topology")
+    @classmethod
+    def _topology_shape(cls, topology: str) -> str:
+        if not re.match(TOPOLOGY_PATTERN, topology):
+            raise ValueError(TOPOLOGY_MESSAGE)
+        return topology
 
 
 class KeepSpec(ApiModel):
@@ -310,15 +466,18 @@ class CheckpointSpec(ApiModel):
     )
 
     directory: str = Field(
-        pattern=r"^gs://[a-z0-9][a-z0-9._-]{1,220}[a-z0-9](/[^\s]*)?$",
         max_length=1024,
         description=(
             "GCS location, gs://bucket[/prefix]. Checkpoints are written under "
             "<directory>/<namespace>/<name>/checkpoints/<step>. Empty (//), . and .. path segments are "
-            "refused; a single trailing slash is allowed and ignored (gs://b/p/ is the same as gs://b/p)."
+            "refused; a single trailing slash is allowed and ignored (gs://b/p/ is the same as gs://b/p). "
+            "Immutable: the run's checkpoints are under it."
         ),
         json_schema_extra={
             "x-kubernetes-validations": [
+                # A CEL raw string: the pattern reaches RE2 as written.
+                cel(f"self.matches(r'{DIRECTORY_PATTERN}')", DIRECTORY_MESSAGE),
+                cel("self == oldSelf", DIRECTORY_IMMUTABLE_MESSAGE),
                 cel("!self.matches('^gs://.*//')", DIRECTORY_EMPTY_SEGMENT_MESSAGE),
                 cel("!self.matches('/[.][.]?(/|$)')", DIRECTORY_DOT_SEGMENT_MESSAGE),
             ]
@@ -372,6 +531,8 @@ class CheckpointSpec(ApiModel):
     @field_validator("directory")
     @classmethod
     def _clean_path(cls, directory: str) -> str:
+        if not re.match(DIRECTORY_PATTERN, directory, re.ASCII):
+            raise ValueError(DIRECTORY_MESSAGE)
         path = directory.removeprefix("gs://")
         if "//" in path:
             raise ValueError(DIRECTORY_EMPTY_SEGMENT_MESSAGE)
@@ -461,14 +622,21 @@ class TrainingJobSpec(ApiModel):
     # spec.framework maxtext: what MaxText cannot honour is refused (maxtext.CEL_RULES, maxtext.refusals).
     model_config = ConfigDict(json_schema_extra={"x-kubernetes-validations": maxtext.CEL_RULES})
 
-    image: str = Field(min_length=1, description="Trainer container image.")
+    image: str = Field(
+        min_length=1,
+        max_length=MAX_IMAGE_LENGTH,
+        description="Trainer container image.",
+        json_schema_extra={"x-kubernetes-validations": [cel("self == self.trim()", IMAGE_MESSAGE)]},
+    )
     framework: Literal["tpujob", "maxtext"] = Field(
         default="tpujob",
         description=(
             "tpujob: the image runs the project's trainer contract (TPUJOB_* env, progress record). maxtext: "
             "the image runs MaxText (python -m maxtext.trainers.pre_train.train) unchanged; the operator "
-            "appends MaxText's checkpoint flags to args and sets XPK's start-up env (README, Running MaxText)."
+            "appends MaxText's checkpoint flags to args and sets XPK's start-up env (README, Running MaxText). "
+            "Immutable: the run's checkpoint layout depends on it."
         ),
+        json_schema_extra={"x-kubernetes-validations": [cel("self == oldSelf", FRAMEWORK_IMMUTABLE_MESSAGE)]},
     )
     command: list[str] | None = Field(
         default=None, max_length=MAX_COMMAND, description="Container entrypoint (defaults to the image's)."
@@ -485,9 +653,12 @@ class TrainingJobSpec(ApiModel):
     resources: Resources | None = Field(default=None, description="Extra container resources besides the TPU chips.")
     service_account_name: str | None = Field(
         default=None,
+        max_length=253,
+        json_schema_extra={"x-kubernetes-validations": [_dns_subdomain_rule("serviceAccountName")]},
         description=(
-            "Kubernetes ServiceAccount of the workers (bind it to a GCP one with Workload Identity). The "
-            "operator's policy may forbid it; it is never allowed in the operator's own namespace."
+            "Kubernetes ServiceAccount of the workers (bind it to a GCP one with Workload Identity). Only "
+            "those the operator's policy lists are allowed (policy.allowedServiceAccounts); never one in the "
+            "operator's own namespace."
         ),
     )
     automount_service_account_token: bool = Field(
@@ -509,12 +680,27 @@ class TrainingJobSpec(ApiModel):
     priority_class_name: str | None = Field(
         default=None,
         max_length=253,
-        pattern=r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$",
+        json_schema_extra={"x-kubernetes-validations": [_dns_subdomain_rule("priorityClassName")]},
         description=(
             "PriorityClass of the worker pods (the scheduler's preemption; Kueue's too, unless the "
-            "kueue.x-k8s.io/priority-class label names a WorkloadPriorityClass)."
+            "kueue.x-k8s.io/priority-class label names a WorkloadPriorityClass). Only those the operator's "
+            "policy lists are allowed (policy.allowedPriorityClasses)."
         ),
     )
+
+    @field_validator("image")
+    @classmethod
+    def _image_trimmed(cls, image: str) -> str:
+        if image != image.strip():
+            raise ValueError(IMAGE_MESSAGE)
+        return image
+
+    @field_validator("service_account_name", "priority_class_name")
+    @classmethod
+    def _dns_subdomain(cls, name: str | None, info: ValidationInfo) -> str | None:
+        if name is not None and not re.match(DNS_SUBDOMAIN_PATTERN, name):
+            raise ValueError(DNS_SUBDOMAIN_MESSAGE.format(field=to_camel(str(info.field_name))))
+        return name
 
     @model_validator(mode="after")
     def _framework_can_honour_the_policy(self) -> TrainingJobSpec:
@@ -705,12 +891,72 @@ class TrainingJobStatus(StatusModel):
     )
 
 
+def max_name_length(spec: TrainingJobSpec) -> int:
+    """The longest metadata.name JobSet's webhook accepts for every attempt of this spec."""
+    hosts = slice_shape(spec.tpu.accelerator, spec.tpu.topology).hosts
+    attempts = max(MIN_RESERVED_ATTEMPTS, spec.restart.max_restarts)
+    numbers = len(str(attempts)) + len(str(spec.tpu.slices - 1)) + len(str(hosts - 1))
+    return DNS_LABEL_LENGTH - POD_NAME_OVERHEAD - numbers
+
+
+def name_refusals(name: str, spec: TrainingJobSpec) -> list[str]:
+    """NAME_RULES, for objects that reach the operator without the apiserver."""
+    refused = [] if re.match(DNS_1035_PATTERN, name) else [NAME_DNS_MESSAGE]
+    if len(name) > (limit := max_name_length(spec)):
+        refused.append(NAME_LENGTH_MESSAGE.format(limit=limit))
+    return refused
+
+
+def _name_rules() -> list[dict[str, JsonValue]]:
+    """The CRD's root rules on metadata.name: max_name_length in CEL (a map holds the host digits), one
+    rule per possible maximum so that each message says its number (a messageExpression that printed
+    it would cost too much)."""
+    host_digits = {
+        f"{accelerator}/{topology}": len(str(slice_shape(accelerator, topology).hosts - 1))
+        for accelerator, family in ACCELERATORS.items()
+        for topology in family.topologies
+    }
+    table = "{" + ", ".join(f"'{shape}': {digits}" for shape, digits in host_digits.items()) + "}"
+    shape = "self.spec.tpu.accelerator + '/' + self.spec.tpu.topology"
+    restarts = "self.spec.restart.maxRestarts"
+    limit = (
+        f"({DNS_LABEL_LENGTH - POD_NAME_OVERHEAD}"
+        f" - (has(self.spec.restart) && has({restarts}) && {restarts} > {MIN_RESERVED_ATTEMPTS}"
+        f" ? size(string({restarts})) : {len(str(MIN_RESERVED_ATTEMPTS))})"
+        " - (has(self.spec.tpu) && has(self.spec.tpu.slices) ? size(string(self.spec.tpu.slices - 1)) : 1)"
+        f" - (has(self.spec.tpu) && ({shape}) in {table} ? {table}[{shape}] : 1))"
+    )
+    most_digits = len(str(MAX_RESTARTS)) + len(str(MAX_SLICES - 1)) + max(host_digits.values())
+    least_digits = len(str(MIN_RESERVED_ATTEMPTS)) + 1 + min(host_digits.values())
+    limits = range(
+        DNS_LABEL_LENGTH - POD_NAME_OVERHEAD - most_digits, DNS_LABEL_LENGTH - POD_NAME_OVERHEAD - least_digits + 1
+    )
+    return [
+        cel(
+            f"self.metadata.name.matches('{DNS_1035_PATTERN}')",
+            NAME_DNS_MESSAGE,
+            message_expression=f"'metadata.name ' + self.metadata.name + ' is not valid: ' + {NAME_DNS_MESSAGE!r}",
+        ),
+        *(
+            cel(f"size(self.metadata.name) <= {n} || {limit} != {n}", NAME_LENGTH_MESSAGE.format(limit=n))
+            for n in limits
+        ),
+    ]
+
+
 class TrainingJob(ApiModel):
     api_version: str = f"{GROUP}/{VERSION}"
     kind: str = KIND
     metadata: dict[str, Any] = Field(default_factory=dict)
     spec: TrainingJobSpec
     status: TrainingJobStatus = Field(default_factory=TrainingJobStatus)
+
+    @model_validator(mode="after")
+    def _name_fits(self) -> TrainingJob:
+        refused = name_refusals(str(self.metadata["name"]), self.spec) if self.metadata.get("name") else []
+        if refused:
+            raise ValueError("; ".join(refused))
+        return self
 
     @property
     def name(self) -> str:
@@ -724,3 +970,7 @@ class TrainingJob(ApiModel):
     def run_dir(self) -> str:
         """gs://bucket/prefix/<namespace>/<name>: this job's own subtree; nothing else is ever touched."""
         return contract.run_dir(self.spec.checkpoint.directory, self.namespace, self.name)
+
+
+# The CRD's rules at the root (crd.py): they see metadata.name and the spec together.
+NAME_RULES = _name_rules()

@@ -85,12 +85,7 @@ def build_crd() -> dict[str, Any]:
             "spec": {**spec_schema, "description": "Desired state of the training job."},
             "status": {**status_schema, "description": "Observed state, written by the operator."},
         },
-        "x-kubernetes-validations": [
-            api.cel(
-                f"size(self.metadata.name) <= {api.MAX_NAME_LENGTH}",
-                f"metadata.name must be at most {api.MAX_NAME_LENGTH} characters (pod hostnames derive from it)",
-            )
-        ],
+        "x-kubernetes-validations": api.NAME_RULES,
     }
     columns = [
         ("Phase", "string", ".status.phase", "Lifecycle phase"),

@@ -370,7 +370,10 @@ class Runtime:
             return self._release(key, uid, self._report_invalid(key, body, error), snapshot)
         if tj.status.phase in TERMINAL_PHASES:
             return self._release(key, uid, tj.status, snapshot)
-        if problems := policy.violations(tj, self.policy):
+        # A job that breaks the policy is refused, unless its attempt already runs: that one goes on
+        # (never stopped unsaved by a tightened policy), and the job is not restarted outside the policy.
+        problems = policy.violations(tj, self.policy)
+        if problems and policy.running_attempt(tj, snapshot.jobsets) is None:
             return self._release(key, uid, self._refuse_for_policy(key, body, tj, problems), snapshot)
         observed = self._observe(key, tj, snapshot, deciding=False)
         status, actions = reconcile(tj, observed)
@@ -379,6 +382,9 @@ class Runtime:
             # made again on it.
             observed = self._observe(key, tj, snapshot, deciding=True)
             status, actions = reconcile(tj, observed)
+        if (within := policy.while_running(tj, status, actions, problems, datetime.now(UTC))) is None:
+            return self._release(key, uid, self._refuse_for_policy(key, body, tj, problems), snapshot)
+        status, actions = within
         self._apply(key, tj, body, status, actions, observed.queue_name)
         if status.phase != tj.status.phase:
             log.info(
