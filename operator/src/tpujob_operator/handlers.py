@@ -92,9 +92,11 @@ def watch_kueue_workloads() -> None:
     kopf.index(KUEUE_GROUP, KUEUE_VERSION, "workloads", labels=labels, id="tpujob_workloads")(tpujob_workloads)
 
 
-def _attach(indexes: dict[str, Any]) -> None:
-    """Hand kopf's index objects (passed to every handler) to the runtime, once."""
+def _attach(indexes: dict[str, Any], type_: str | None) -> None:
+    """Hand kopf's index objects (passed to every handler) to the runtime, once; tell its resync of the
+    event (`type_` None: a listing; one for an object already seen means a relist, resync.py)."""
     if not RUNTIME.indexes:
+        RUNTIME.resync.start()
         names = {
             "tpujob_trainingjobs": "trainingjobs",
             "tpujob_jobsets": "jobsets",
@@ -104,6 +106,7 @@ def _attach(indexes: dict[str, Any]) -> None:
         RUNTIME.indexes = {ours: indexes[kopfs] for kopfs, ours in names.items()}
         if "tpujob_workloads" in indexes:
             RUNTIME.indexes["workloads"] = indexes["tpujob_workloads"]
+    RUNTIME.resync.notice(type_, indexes.get("memo"))
 
 
 # -- triggers ------------------------------------------------------------------------------------------
@@ -117,7 +120,7 @@ async def on_training_job(
     # TrainingJob, and deleting one would then hang while the operator is down. Cleanup needs no
     # finalizer here: the JobSet is owned and garbage-collected. Timers would need one too, and run
     # on a fixed interval; the runtime's schedule runs each job when its own next check is due.
-    _attach(kwargs)
+    _attach(kwargs, type)
     key = (namespace or "default", name)
     if type == "DELETED":
         RUNTIME.forget(key)
@@ -137,9 +140,9 @@ async def on_training_job(
 
 
 @kopf.on.event(JOBSET_GROUP, JOBSET_VERSION, JOBSET_PLURAL, labels={LABEL_NAME: kopf.PRESENT})
-async def on_jobset_event(namespace: str | None, labels: kopf.Labels, **kwargs: Any) -> None:
+async def on_jobset_event(type: str | None, namespace: str | None, labels: kopf.Labels, **kwargs: Any) -> None:
     # A JobSet changed (e.g. it failed): react now.
-    _attach(kwargs)
+    _attach(kwargs, type)
     RUNTIME.request((namespace or "", labels[LABEL_NAME]))
 
 
@@ -147,7 +150,7 @@ async def on_jobset_event(namespace: str | None, labels: kopf.Labels, **kwargs: 
 async def on_worker_pod_event(
     type: str, body: kopf.Body, namespace: str | None, labels: kopf.Labels, **kwargs: Any
 ) -> None:
-    _attach(kwargs)
+    _attach(kwargs, type)
     status = body.get("status") or {}
     disrupted = any(c.get("type") == "DisruptionTarget" for c in status.get("conditions") or [])
     ended = status.get("phase") in ("Failed", "Succeeded") or disrupted or body["metadata"].get("deletionTimestamp")

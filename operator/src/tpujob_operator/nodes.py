@@ -96,7 +96,9 @@ def slim_node(body: Mapping[str, Any]) -> dict[str, Any]:
     spec = body.get("spec") or {}
     status = body.get("status") or {}
     labels = meta.get("labels") or {}
-    kept_meta: dict[str, Any] = {k: meta[k] for k in ("name", "resourceVersion", "deletionTimestamp") if k in meta}
+    kept_meta: dict[str, Any] = {
+        k: meta[k] for k in ("name", "uid", "resourceVersion", "deletionTimestamp") if k in meta
+    }
     if ACTIVE_MAINTENANCE_LABEL in labels:
         kept_meta["labels"] = {ACTIVE_MAINTENANCE_LABEL: labels[ACTIVE_MAINTENANCE_LABEL]}
     return {

@@ -36,6 +36,7 @@ from .jobset import (
 from .kube import Cluster, Conflict, load_config
 from .metrics import METRICS
 from .reconcile import TERMINAL_PHASES, reconcile, release, with_creation_refused
+from .resync import Resync
 from .schedule import JobKey, Schedule
 from .status import parse_time, rfc3339, with_phase
 
@@ -160,7 +161,7 @@ def slim_workload(body: Mapping[str, Any]) -> dict[str, Any]:
     """What the operator reads of a Kueue Workload: its creation time and conditions."""
     meta = body.get("metadata") or {}
     return {
-        "metadata": {k: meta[k] for k in ("name", "namespace", "creationTimestamp") if k in meta},
+        "metadata": {k: meta[k] for k in ("name", "namespace", "uid", "creationTimestamp") if k in meta},
         "status": {"conditions": list((body.get("status") or {}).get("conditions") or [])},
     }
 
@@ -212,6 +213,7 @@ class Runtime:
         self.progress_check_seconds = PROGRESS_CHECK_SECONDS
         self.schedule = Schedule(self.reconcile)
         self._executor: ThreadPoolExecutor | None = None
+        self.resync = Resync(self)  # after a watch gap, drops what no longer exists (resync.py)
 
     # -- clients -----------------------------------------------------------------------------------
 
@@ -230,6 +232,7 @@ class Runtime:
         """The operator stops: no more checks are due; reconciles in flight finish on their own."""
         for key in list(self.schedule.due):
             self.schedule.cancel(key)
+        self.resync.stop()
         if self._executor is not None:
             self._executor.shutdown(wait=False)
             self._executor = None
@@ -539,7 +542,12 @@ class Runtime:
     # -- apply -------------------------------------------------------------------------------------
 
     def _write_status(self, key: JobKey, body: dict[str, Any], status: dict[str, Any]) -> dict[str, Any]:
-        written = self.written[key] = self.cluster().replace_status(body, status)
+        try:
+            written = self.written[key] = self.cluster().replace_status(body, status)
+        except ApiException as error:
+            if error.status == 404:  # deleted, perhaps in a watch gap: the resync forgets it (and what it left)
+                self.resync.request("404")
+            raise
         return written
 
     def _apply(
