@@ -215,7 +215,9 @@ def test_a_host_that_dies_before_its_node_is_marked_is_node_lost_once_the_node_l
         _create_node(cluster, name)
     fake_kubelet(healthy)  # the dead host's kubelet posts nothing more from here on
     dead_pod = _bound_pod(cluster, jobset, 1, dead, {"running": {"startedAt": _now()}})
-    time.sleep(25)  # the peer fails well before the node lifecycle controller's grace period ends
+    # The peer fails well before the node lifecycle controller marks the silent node (about 55 s after
+    # it registered: its grace period and monitor period), 30 s before it: inside the 60 s of the wait.
+    time.sleep(25)
     exited = {"terminated": {"exitCode": 1, "reason": "Error", "finishedAt": _now()}}
     _bound_pod(cluster, jobset, 0, healthy, exited)
     time.sleep(3)
