@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 from tpujob_devcluster.fakegcs import FakeGcsServer, start_fake_gcs
 
-from tests.trainer.faults import RestartableGcs
+from tests.trainer.faults import FaultProxy, RestartableGcs
 from tests.trainer.procs import BUCKET, Job
 
 
@@ -78,6 +78,26 @@ def faulty_gcs(tmp_path: Path) -> Iterator[RestartableGcs]:
 def faulty_job(faulty_gcs: RestartableGcs, trainer_env: dict[str, str], tmp_path: Path, run_name: str) -> Iterator[Job]:
     """Like `job`, on the faulty_gcs emulator."""
     job = Job(gcs=faulty_gcs, base_env={**trainer_env, **faulty_gcs.env()}, log_dir=tmp_path, name=run_name)
+    try:
+        yield job
+    finally:
+        job.kill_all()
+
+
+@pytest.fixture
+def proxy(gcs: FakeGcsServer) -> Iterator[FaultProxy]:
+    """A FaultProxy in front of the session's emulator (healthy until the test says otherwise)."""
+    server = FaultProxy(gcs)
+    try:
+        yield server
+    finally:
+        server.close()
+
+
+@pytest.fixture
+def proxied_job(proxy: FaultProxy, trainer_env: dict[str, str], tmp_path: Path, run_name: str) -> Iterator[Job]:
+    """Like `job`, the trainer reaching storage through `proxy` (the test reads the emulator directly)."""
+    job = Job(gcs=proxy.upstream, base_env={**trainer_env, **proxy.env()}, log_dir=tmp_path, name=run_name)
     try:
         yield job
     finally:

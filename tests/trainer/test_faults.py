@@ -99,20 +99,29 @@ def _delete_one_array_object(job: Job, step: int) -> str:
 
 
 @pytest.mark.timeout(300)
-def test_damaged_latest_step_falls_back_to_an_older_one(job: Job) -> None:
+def _step_bytes(job: Job, folder: str) -> dict[str, bytes]:
+    prefix = f"{job.prefix}/{folder}/"
+    return {name[len(prefix) :]: job.gcs.download(BUCKET, name) for name in job.gcs.list_objects(BUCKET, prefix)}
+
+
+def test_damaged_latest_step_is_quarantined_and_an_older_one_restored(job: Job) -> None:
     assert job.start(TINY).wait(150) == [0]
     committed = job.committed_steps()
     assert committed[-1] == 12 and len(committed) >= 2, committed
     _delete_one_array_object(job, 12)
+    damaged = _step_bytes(job, "checkpoints/12")
 
     resumed = job.start(["--steps", "14", *SHAPE])
     assert resumed.wait(150) == [0], resumed.output()
     older = committed[-2]
-    assert "resume: step 12 cannot be restored" in resumed.output()
+    assert "resume: step 12 is damaged" in resumed.output()
     assert f"resume: restoring step {older} (older committed step)" in resumed.output()
     record = job.progress()
     assert (record["state"], record["restored_step"], record["resumed_from_step"]) == ("succeeded", older, older)
     assert [f["step"] for f in record["restore_failures"]] == [12] and record["restore_failures"][0]["error"]
+    assert record["quarantined"] == [{"step": 12, "path": f"{job.run_dir}/quarantine/12"}]
+    assert _step_bytes(job, "quarantine/12") == damaged  # moved, every byte kept, the marker too
+    assert 12 not in job.step_dirs()  # no later restore lists it
     assert job.committed_steps()[-1] == 14
 
 

@@ -156,7 +156,8 @@ def test_sigterm_sets_the_single_process_preemption_flag() -> None:
     [
         ([], LATEST, None),
         ([3, 9, 6], LATEST, 9),
-        ([3, 9], Resume.at(3), 3),
+        ([3, 9], Resume.at(3), 9),  # a pin means "this step or a newer one": never throw newer work away
+        ([3, 9], Resume.at(5), 9),
         ([3, 9], Resume.at(9), 9),
         ([3, 9], FRESH, None),
     ],
@@ -165,6 +166,6 @@ def test_choose_restore_step(committed: list[int], resume: Resume, expected: int
     assert choose_restore_step(committed, resume) == expected
 
 
-def test_choose_restore_step_refuses_an_uncommitted_pin() -> None:
-    with pytest.raises(ConfigError, match="TPUJOB_RESUME_STEP=5 is not a committed checkpoint"):
-        choose_restore_step([3, 9], Resume.at(5))
+def test_choose_restore_step_refuses_a_pin_with_nothing_committed_at_or_after_it() -> None:
+    with pytest.raises(ConfigError, match="TPUJOB_RESUME_STEP=10: no committed checkpoint at or after it"):
+        choose_restore_step([3, 9], Resume.at(10))

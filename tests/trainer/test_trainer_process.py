@@ -68,7 +68,7 @@ def test_restart_restores_latest_committed_never_a_partial_step(job: Job) -> Non
 
     pinned_missing = job.start(TINY, {"TPUJOB_RESUME_STEP": "50"})
     assert pinned_missing.wait(60) == [2]
-    assert "TPUJOB_RESUME_STEP=50 is not a committed checkpoint" in pinned_missing.output()
+    assert "TPUJOB_RESUME_STEP=50: no committed checkpoint at or after it" in pinned_missing.output()
 
     pinned = job.start(["--steps", "13", "--batch-size", "4", "--seq-len", "32"], {"TPUJOB_RESUME_STEP": "12"})
     assert pinned.wait(150) == [0], pinned.output()

@@ -10,8 +10,9 @@ import numpy as np
 import pytest
 import tpujob_contract as contract
 from etils import epath
+from gcsfs.retry import HttpError
 from jax.sharding import PartitionSpec
-from tpujob_contract import LATEST, Resume
+from tpujob_contract import LATEST, QuarantinedStep, Resume
 from tpujob_trainer import checkpointing, progress
 from tpujob_trainer.checkpointing import CheckpointIncompatible, StorageError
 from tpujob_trainer.config import MODELS, ConfigError, parse_config, topology_from_env
@@ -194,7 +195,8 @@ def test_progress_record_and_line() -> None:
     )  # fmt: skip
     assert set(json.loads(contract.to_json(record))) == {
         "step", "loss", "steps_per_second", "last_committed_step", "attempt", "resumed_from_step", "updated_at",
-        "state", "uid", "restored_step", "restore_failures", "save_failures", "process_started_at",
+        "state", "uid", "restored_step", "restore_failures", "quarantined", "storage_denied", "save_failures",
+        "process_started_at",
         "storage_ready_at", "restore_started_at", "restore_finished_at", "first_step_at", "save_blocking_seconds",
         "checkpoint_interval_seconds", "checkpoint_interval_bound", "save_cost_seconds",
         "checkpoint_overhead_percent", "mtbf_seconds",
@@ -249,18 +251,22 @@ def test_storage_wait_backs_off_then_gives_up(tmp_path: Path) -> None:
     checkpointing.wait_for_storage(str(tmp_path / "run"), "p0", 5.0, 100.0, sleep=sleep)  # works: no wait
 
 
-def test_restore_falls_back_to_older_steps_only_when_storage_answers() -> None:
+def test_restore_falls_back_to_older_steps_only_for_damage() -> None:
     assert checkpointing.restore_candidates([3, 9, 6], LATEST) == [9, 6, 3]
-    assert checkpointing.restore_candidates([3, 9, 6], Resume.at(6)) == [6, 3]
+    assert checkpointing.restore_candidates([3, 9, 6], Resume.at(6)) == [9, 6, 3]  # the newest at or after 6
     assert checkpointing.restore_candidates([], LATEST) == []
     tried: list[int] = []
+    moved: list[int] = []
     outage = [True]  # the first try of step 9 meets a storage outage; the retry finds it damaged
+    slept: list[float] = []
 
     def restore(step: int) -> str:
         tried.append(step)
         if step == 3:
             return "state 3"
-        raise OSError(f"cannot read step {step}")
+        if step == 6:
+            raise ValueError("Requested shape: (8,) is not compatible with the stored shape: (4,).")
+        raise FileNotFoundError(f"b/bucket/o/run%2Fcheckpoints%2F{step}%2F_METADATA")
 
     def storage_ok() -> bool:
         return not outage[0]
@@ -268,14 +274,57 @@ def test_restore_falls_back_to_older_steps_only_when_storage_answers() -> None:
     def wait() -> None:
         outage[0] = False
 
-    state, step, failures = checkpointing.restore_with_fallback(restore, [9, 6, 3], storage_ok, wait)
-    assert (state, step, tried) == ("state 3", 3, [9, 9, 6, 3])
-    assert failures == [
-        contract.RestoreFailure(9, "OSError: cannot read step 9"),
-        contract.RestoreFailure(6, "OSError: cannot read step 6"),
+    def quarantine(step: int) -> str:
+        moved.append(step)
+        return f"gs://b/run/quarantine/{step}"
+
+    got = checkpointing.restore_with_fallback(restore, [9, 6, 3], storage_ok, wait, quarantine, sleep=slept.append)
+    assert (got.state, got.step, tried, slept) == ("state 3", 3, [9, 9, 6, 3], [])
+    assert [f.step for f in got.failures] == [9, 6] and "FileNotFoundError" in got.failures[0].error
+    # the damaged step at once; the misfit only once an older step restored (training goes on from there)
+    assert moved == [9, 6]
+    assert got.quarantined == [
+        QuarantinedStep(9, "gs://b/run/quarantine/9"),
+        QuarantinedStep(6, "gs://b/run/quarantine/6"),
     ]
+
+    moved.clear()
     with pytest.raises(CheckpointIncompatible) as err:
-        checkpointing.restore_with_fallback(restore, [9, 6], lambda: True, wait)
-    assert [f.step for f in err.value.failures] == [9, 6]
+        checkpointing.restore_with_fallback(restore, [6], lambda: True, wait, quarantine)
+    assert [f.step for f in err.value.failures] == [6] and moved == []  # a misfit alone: left where it is
     with pytest.raises(StorageError):
-        checkpointing.restore_with_fallback(restore, [9], lambda: False, lambda: None)
+        checkpointing.restore_with_fallback(restore, [9], lambda: False, lambda: None, quarantine)
+
+
+def test_transient_restore_errors_are_retried_never_a_fallback() -> None:
+    errors: list[BaseException] = [
+        HttpError({"code": 503, "message": "backendError"}),
+        MemoryError(),
+        ValueError("DEADLINE_EXCEEDED: Barrier timed out"),
+    ]
+    slept: list[float] = []
+
+    def restore(step: int) -> str:
+        if errors:
+            raise errors.pop(0)
+        return f"state {step}"
+
+    def quarantine(step: int) -> str:
+        raise AssertionError(f"step {step} quarantined")
+
+    got = checkpointing.restore_with_fallback(
+        restore, [9, 6], lambda: True, lambda: None, quarantine, sleep=slept.append
+    )
+    assert (got.step, got.failures, slept) == (9, [], [1, 2, 4])
+
+    def always(step: int) -> str:
+        raise MemoryError()
+
+    with pytest.raises(MemoryError):  # bounded: then the attempt fails (exit 1), the step kept
+        checkpointing.restore_with_fallback(always, [9, 6], lambda: True, lambda: None, quarantine, sleep=slept.append)
+
+    def forbidden(step: int) -> str:
+        raise OSError("Forbidden: b/bucket/o")
+
+    with pytest.raises(checkpointing.StoragePermissionDenied):
+        checkpointing.restore_with_fallback(forbidden, [9], lambda: True, lambda: None, quarantine)

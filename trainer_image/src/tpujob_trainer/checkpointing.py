@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import logging
+import os
 import signal
 import threading
 import time
@@ -22,11 +23,12 @@ import orbax.checkpoint as ocp
 from etils import epath
 from jax.experimental import multihost_utils
 from orbax.checkpoint import checkpoint_managers as cm
-from tpujob_contract import COMMIT_MARKER, RestoreFailure, Resume
+from tpujob_contract import COMMIT_MARKER, QuarantinedStep, RestoreFailure, Resume
 
 from tpujob_trainer.bounded import StorageTimeout, bounded
 from tpujob_trainer.cadence import Cadence, Interval, changed_materially
 from tpujob_trainer.config import CheckpointConfig, ConfigError
+from tpujob_trainer.failures import Kind, classify
 from tpujob_trainer.progress import short_error
 
 log = logging.getLogger("tpujob_trainer")
@@ -34,10 +36,15 @@ log = logging.getLogger("tpujob_trainer")
 # Orbax 0.12.8's marker for a finalized step on gs:// (CommitFileTemporaryPath). On a local path
 # the marker is the rename of `<step>.orbax-checkpoint-tmp` to `<step>` (AtomicRenameTemporaryPath).
 TMP_SUFFIX = ".orbax-checkpoint-tmp"
+RESTORE_RETRIES = 5  # a transient restore error: retried 1 s, 2 s, 4 s, 8 s, 16 s later, then exit 1
 
 
 class StorageError(RuntimeError):
     """The checkpoint storage is unreachable or unwritable (exit code 3)."""
+
+
+class StoragePermissionDenied(RuntimeError):
+    """Storage refused this process's identity (401/403, exit 5): waiting cannot fix it."""
 
 
 class CheckpointIncompatible(RuntimeError):
@@ -233,8 +240,8 @@ class CheckpointManager(ocp.CheckpointManager):  # type: ignore[misc]  # orbax s
 
 
 def restore_candidates(committed: Sequence[int], resume: Resume) -> list[int]:
-    """The chosen step (pinned or latest, see choose_restore_step) first, then older committed
-    steps, newest first: where a failed restore falls back to."""
+    """The chosen step (see choose_restore_step) first, then older committed steps, newest first:
+    where a restore falls back to when a step's data is damaged."""
     chosen = choose_restore_step(committed, resume)
     if chosen is None:
         return []
@@ -245,8 +252,15 @@ class _Verdict(enum.IntEnum):
     """One restore try, as one process saw it; the largest over all processes wins."""
 
     OK = 0
-    BROKEN = 1  # this step cannot be restored: try an older one
-    OUTAGE = 2  # storage itself failed: wait for it and try the same step again
+    MISMATCH = 1  # the step does not fit this trainer: try an older one, leave it in place
+    DAMAGED = 2  # the step's data is unreadable: quarantine it, try an older one
+    TRANSIENT = 3  # back off and try the same step again
+    OUTAGE = 4  # storage itself fails its probe: wait for it and try the same step again
+    DENIED = 5  # storage refused our identity: exit 5
+
+
+_VERDICTS = {Kind.MISMATCH: _Verdict.MISMATCH, Kind.DAMAGED: _Verdict.DAMAGED, Kind.TRANSIENT: _Verdict.TRANSIENT,
+             Kind.DENIED: _Verdict.DENIED}  # fmt: skip
 
 
 def _agree(verdict: _Verdict) -> _Verdict:
@@ -258,7 +272,25 @@ def _agree(verdict: _Verdict) -> _Verdict:
 
 def agree_all(ok: bool) -> bool:
     """True iff `ok` on every process (a collective when there is more than one)."""
-    return _agree(_Verdict.OK if ok else _Verdict.BROKEN) == _Verdict.OK
+    return _agree(_Verdict.OK if ok else _Verdict.MISMATCH) == _Verdict.OK
+
+
+def agree_steps(steps: Sequence[int]) -> list[int]:
+    """Process 0's list of steps, on every process: each process lists storage itself, and a step
+    committed between two listings must not make them restore different steps."""
+    if jax.process_count() == 1:
+        return sorted(steps)
+    n = int(multihost_utils.broadcast_one_to_all(np.int32(len(steps))))
+    mine = np.asarray(sorted(steps) if jax.process_index() == 0 else [0] * n, dtype=np.int32)
+    return [int(s) for s in multihost_utils.broadcast_one_to_all(mine)] if n else []
+
+
+@dataclasses.dataclass
+class Restored:
+    state: Any
+    step: int
+    failures: list[RestoreFailure]  # the newer candidates that could not be restored, and why
+    quarantined: list[QuarantinedStep]  # of those, the ones moved to quarantine/
 
 
 def restore_with_fallback(
@@ -266,52 +298,124 @@ def restore_with_fallback(
     candidates: Sequence[int],
     storage_ok: Callable[[], bool],
     wait_for_storage: Callable[[], None],
-    max_outages: int = 5,
-) -> tuple[Any, int, list[RestoreFailure]]:
-    """Restore the first candidate that works: (state, step, the failures of newer candidates).
+    quarantine: Callable[[int], str],
+    max_retries: int = RESTORE_RETRIES,
+    sleep: Callable[[float], None] = time.sleep,
+) -> Restored:
+    """Restore the first candidate that works, falling back to an older one only for what the
+    data says (failures.classify): a damaged step is quarantined at once (`quarantine(step)`, a
+    collective that moves it and returns where to); one that does not fit this trainer is
+    quarantined once an older step restored (training goes on from there, so it can never be
+    restored again), and left where it is when none did (exit 4: the trainer may be the one that
+    changed). A transient error is retried with backoff (1 s doubling, max_retries times), a storage
+    outage waited out (wait_for_storage); neither ever gives a step up.
 
-    A step is only given up for an older one when storage itself answers (storage_ok()): a failed
-    read during an outage says nothing about the checkpoint. Raises CheckpointIncompatible when no
-    candidate works, StorageError when storage stays down.
+    Raises StoragePermissionDenied (exit 5), CheckpointIncompatible when no candidate works (exit
+    4), StorageError when storage stays down (exit 3), or the last transient error when its
+    retries are spent (exit 1).
     """
     failures: list[RestoreFailure] = []
+    quarantined: list[QuarantinedStep] = []
+    misfits: list[int] = []
     for step in candidates:
-        for _ in range(max_outages + 1):
+        delays = backoff_delays()
+        for attempt in range(max_retries + 1):
             error: BaseException | None = None
             try:
                 state = restore(step)
                 verdict = _Verdict.OK
             except Exception as err:
                 error = err
-                verdict = _Verdict.BROKEN if storage_ok() else _Verdict.OUTAGE
+                verdict = _VERDICTS[classify(err)]
+                if verdict in (_Verdict.DAMAGED, _Verdict.TRANSIENT) and not storage_ok():
+                    verdict = _Verdict.OUTAGE
             verdict = _agree(verdict)
+            text = short_error(error) if error else "failed on another process"
             if verdict == _Verdict.OK:
-                return state, step, failures
-            if verdict == _Verdict.BROKEN:
-                text = short_error(error) if error else "failed on another process"
-                log.warning("resume: step %d cannot be restored (%s); trying an older committed step", step, text)
+                for misfit in misfits:
+                    quarantined.append(QuarantinedStep(misfit, quarantine(misfit)))
+                return Restored(state, step, failures, quarantined)
+            if verdict == _Verdict.DENIED:
+                raise StoragePermissionDenied(text)
+            if verdict in (_Verdict.DAMAGED, _Verdict.MISMATCH):
+                what = "is damaged" if verdict == _Verdict.DAMAGED else "does not fit this trainer"
+                log.warning("resume: step %d %s (%s); trying an older committed step", step, what, text)
                 failures.append(RestoreFailure(step, text))
+                if verdict == _Verdict.DAMAGED:
+                    quarantined.append(QuarantinedStep(step, quarantine(step)))
+                else:
+                    misfits.append(step)
                 break
-            log.warning("resume: storage failed while restoring step %d; waiting for it, then retrying", step)
-            wait_for_storage()
-        else:
-            raise StorageError(f"storage kept failing while restoring step {step}")
+            if attempt == max_retries:
+                if verdict == _Verdict.OUTAGE:
+                    raise StorageError(f"storage kept failing while restoring step {step}: {text}")
+                log.error("resume: restoring step %d kept failing (%s); giving up, the step is kept", step, text)
+                if error is not None:
+                    raise error
+                raise RuntimeError(f"restoring step {step} kept failing on another process")
+            if verdict == _Verdict.OUTAGE:
+                log.warning("resume: storage failed while restoring step %d; waiting for it, then retrying", step)
+                wait_for_storage()
+            else:
+                delay = next(delays)
+                log.warning("resume: restoring step %d failed (%s), not the data's fault; retry %d/%d in %.0fs",
+                            step, text, attempt + 1, max_retries, delay)  # fmt: skip
+                sleep(delay)
     raise CheckpointIncompatible(failures)
 
 
 def choose_restore_step(committed: Sequence[int], resume: Resume) -> int | None:
-    """A pinned step: exactly that committed step; latest: the latest committed step, or None;
-    fresh: None (step 0, whatever is committed)."""
+    """A pinned step N: the newest committed step at or after N (the pin is where the operator
+    saw the run; a save that committed since is newer work, never to be thrown away); latest:
+    the latest committed step, or None; fresh: None (step 0)."""
     if resume.kind == "step":
         assert resume.step is not None
-        if resume.step not in committed:
+        newer = [s for s in committed if s >= resume.step]
+        if not newer:
             raise ConfigError(
-                f"TPUJOB_RESUME_STEP={resume.step} is not a committed checkpoint; committed steps: {sorted(committed)}"
+                f"TPUJOB_RESUME_STEP={resume.step}: no committed checkpoint at or after it; "
+                f"committed steps: {sorted(committed)}"
             )
-        return resume.step
+        return max(newer)
     if resume.kind == "fresh":
         return None
     return max(committed) if committed else None
+
+
+def move_step(checkpoint_dir: str, to_dir: str, step: int, timeout_s: float) -> str:
+    """Move committed step `step` out of checkpoint_dir to <to_dir>/<step> (or <step>.1, ... if
+    taken), bytes kept, and return where it went. Local: one rename. gs:// has no rename: every
+    object is copied and the copies checked first; then the commit marker is deleted (from that
+    moment no listing sees the step), then the rest of the original."""
+    return bounded(lambda: _move_step(checkpoint_dir, to_dir, step), timeout_s, f"moving step {step} to {to_dir}")
+
+
+def _move_step(checkpoint_dir: str, to_dir: str, step: int) -> str:
+    src = epath.Path(checkpoint_dir) / str(step)
+    root = epath.Path(to_dir)
+    dst, n = root / str(step), 0
+    while dst.exists():
+        n += 1
+        dst = root / f"{step}.{n}"
+    if not checkpoint_dir.startswith("gs://"):
+        root.mkdir(parents=True, exist_ok=True)
+        src.rename(dst)
+        return str(dst)
+    import gcsfs  # the backend epath uses for gs:// here (EPATH_USE_TF=false)
+
+    fs = gcsfs.GCSFileSystem()
+    src_key, dst_key = str(src)[len("gs://") :], str(dst)[len("gs://") :]
+    sizes = {name[len(src_key) :]: info["size"] for name, info in fs.find(src_key, detail=True).items()}
+    for rel in sizes:
+        fs.copy(src_key + rel, dst_key + rel)
+    copied = {name[len(dst_key) :]: info["size"] for name, info in fs.find(dst_key, detail=True).items()}
+    if copied != sizes:
+        raise OSError(f"copy of {src} to {dst} is incomplete: {sorted(set(sizes) - set(copied))}")
+    marker = f"/{COMMIT_MARKER}"
+    if marker in sizes:
+        fs.rm_file(src_key + marker)
+    fs.rm([src_key + rel for rel in sizes if rel != marker])
+    return str(dst)
 
 
 def is_committed(checkpoint_dir: str, step: int) -> bool:
@@ -384,4 +488,35 @@ def probe_storage(run_dir: str, name: str, timeout_s: float) -> None:
     except StorageTimeout as err:
         raise StorageError(f"{err} (unreachable?)") from err
     except Exception as err:
+        if classify(err) == Kind.DENIED:  # an answer, not an outage: no wait can fix it
+            raise StoragePermissionDenied(short_error(err)) from err
         raise StorageError(f"checkpoint storage {run_dir} is not writable: {type(err).__name__}: {err}") from err
+
+
+def bucket_of(path: str) -> str:
+    """gs://bucket of a gs:// path; a local path as it is."""
+    return "gs://" + path[len("gs://") :].split("/", 1)[0] if path.startswith("gs://") else path
+
+
+def identity(timeout_s: float = 5.0) -> str:
+    """Who this process is to storage, as far as it can tell: GOOGLE_SERVICE_ACCOUNT if set, else
+    the default credentials' service account (on GKE: Workload Identity's, from the metadata
+    server, bounded), else "unknown"."""
+    if named := os.environ.get("GOOGLE_SERVICE_ACCOUNT", "").strip():
+        return named
+
+    def from_credentials() -> str:
+        import google.auth
+        import google.auth.transport.requests
+
+        credentials, _ = google.auth.default()  # type: ignore[no-untyped-call]
+        email = getattr(credentials, "service_account_email", None)
+        if email in (None, "default") and hasattr(credentials, "refresh"):
+            credentials.refresh(google.auth.transport.requests.Request())  # resolves "default" on GCE/GKE
+            email = getattr(credentials, "service_account_email", None)
+        return str(email) if email and email != "default" else "unknown"
+
+    try:
+        return bounded(from_credentials, timeout_s, "reading the credentials")
+    except Exception:
+        return "unknown"

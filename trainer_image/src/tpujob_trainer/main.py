@@ -5,6 +5,7 @@ Exit codes (the operator classifies failures by them):
   143  stopped by SIGTERM (after saving the current step when save-on-preemption is on);
   3    checkpoint storage unreachable or unwritable at start, after waiting TPUJOB_STORAGE_WAIT_SECONDS;
   4    no committed checkpoint could be restored (another --model, or all damaged); nothing deleted;
+  5    checkpoint storage refused this job's identity (401/403: probe, restore or save);
   2    bad configuration;
   1    anything else (including a final save that still failed after its retries).
 """
@@ -22,16 +23,25 @@ from collections.abc import Iterator, Sequence
 import jax
 import orbax.checkpoint as ocp
 import tpujob_contract as contract
+from jax.experimental import multihost_utils
 from tpujob_contract import ExitCode
 
 from tpujob_trainer import checkpointing, compile_cache, progress
-from tpujob_trainer.checkpointing import CheckpointIncompatible, CheckpointManager, PreemptionNotice, StorageError
+from tpujob_trainer.checkpointing import (
+    CheckpointIncompatible,
+    CheckpointManager,
+    PreemptionNotice,
+    StorageError,
+    StoragePermissionDenied,
+)
 from tpujob_trainer.config import Config, ConfigError, parse_config
 from tpujob_trainer.data import batch_for_step
+from tpujob_trainer.failures import CheckpointMismatch, Kind, classify
 from tpujob_trainer.train import State, Trainer, make_mesh
 
 log = logging.getLogger("tpujob_trainer")
 FINAL_SAVE_TRIES = 5  # the final / SIGTERM save: tries, 2 s doubling to 16 s apart
+MOVE_TIMEOUT_S = 600.0  # moving a step aside (gs://: a copy of every object, then the deletes)
 
 
 def _scalar(x: jax.Array) -> float:
@@ -81,6 +91,8 @@ class _Status:
     steps_per_second: float | None = None
     resumed_from: int | None = None
     restore_failures: list[contract.RestoreFailure] = dataclasses.field(default_factory=list)
+    quarantined: list[contract.QuarantinedStep] = dataclasses.field(default_factory=list)
+    storage_denied: str | None = None
     save_failures: int = 0
     outcome: contract.State = "failed"
     # The attempt's start-up, as the goodput ledger splits it (RFC 3339), and the time saves blocked.
@@ -97,7 +109,8 @@ class _Status:
             step=self.step, loss=self.loss, steps_per_second=self.steps_per_second, last_committed_step=None,
             attempt=self.attempt, resumed_from_step=self.resumed_from, updated_at=contract.now_rfc3339(),
             state=state, uid=self.uid, restored_step=self.resumed_from,
-            restore_failures=tuple(self.restore_failures), save_failures=self.save_failures,
+            restore_failures=tuple(self.restore_failures), quarantined=tuple(self.quarantined),
+            storage_denied=self.storage_denied, save_failures=self.save_failures,
             process_started_at=self.process_started_at, storage_ready_at=self.storage_ready_at,
             restore_started_at=self.restore_started_at, restore_finished_at=self.restore_finished_at,
             first_step_at=self.first_step_at, save_blocking_seconds=round(self.save_blocking_seconds, 3),
@@ -136,25 +149,34 @@ def _storage_ok(cfg: Config) -> bool:
 
 
 def _restore_or_init(cfg: Config, trainer: Trainer, mngr: CheckpointManager | None, status: _Status) -> State:
-    """Restore the pinned or latest committed step, falling back to older ones; or a fresh state.
+    """Restore the committed step the resume value names, falling back to older ones only when its
+    data is damaged; or a fresh state. Never deletes a committed step: one that is given up is
+    moved aside, bytes kept (checkpointing.restore_with_fallback, _move_aside).
 
-    Sets status.resumed_from and status.restore_failures; raises CheckpointIncompatible (exit 4)
-    when no committed step can be restored.
+    Sets status.resumed_from, restore_failures and quarantined; raises CheckpointIncompatible
+    (exit 4) when no committed step can be restored.
     """
     resume = cfg.checkpoint.resume if cfg.checkpoint else contract.LATEST
-    candidates = checkpointing.restore_candidates(mngr.all_steps(), resume) if mngr else []
-    if mngr is None or not candidates:
-        abandoned = mngr.all_steps() if mngr and resume == contract.FRESH else []
-        if abandoned:  # a fresh start was asked for: what is committed belongs to another trajectory
-            log.warning("resume: fresh start asked for; deleting committed steps %s", abandoned)
-            for s in abandoned:
-                mngr.delete(s)  # type: ignore[union-attr]
-        if resume == contract.FRESH:
-            log.info("resume: fresh start from step 0, as TPUJOB_RESUME_STEP=fresh asks")
-        else:
-            log.info("resume: no committed checkpoint, fresh start from step 0")
+    if mngr is None:
+        log.info("resume: no checkpoints, fresh start from step 0")
         return trainer.init()
-    why = "pinned by TPUJOB_RESUME_STEP" if resume.kind == "step" else "latest committed"
+    committed = checkpointing.agree_steps(mngr.all_steps())
+    if resume == contract.FRESH:
+        for s in committed:  # another trajectory's: set aside, never deleted
+            where = _move_aside(cfg, mngr, s, contract.SUPERSEDED_DIR)
+            log.warning("resume: fresh start asked for; committed step %d set aside to %s", s, where)
+        log.info("resume: fresh start from step 0, as TPUJOB_RESUME_STEP=fresh asks")
+        return trainer.init()
+    candidates = checkpointing.restore_candidates(committed, resume)
+    if not candidates:
+        log.info("resume: no committed checkpoint, fresh start from step 0")
+        return trainer.init()
+    if resume.kind != "step":
+        why = "latest committed"
+    elif candidates[0] == resume.step:
+        why = "pinned by TPUJOB_RESUME_STEP"
+    else:
+        why = f"newest committed, at or after TPUJOB_RESUME_STEP={resume.step}"
     log.info("resume: restoring step %d (%s) from %s", candidates[0], why, mngr.directory)
 
     def restore(step: int) -> State:
@@ -162,29 +184,45 @@ def _restore_or_init(cfg: Config, trainer: Trainer, mngr: CheckpointManager | No
             log.info("resume: restoring step %d (older committed step)", step)
         state: State = mngr.restore(step, args=ocp.args.StandardRestore(trainer.abstract_state))
         if int(_scalar(state["step"])) != step:
-            raise RuntimeError(f"checkpoint {step} holds step {_scalar(state['step'])}")
+            raise CheckpointMismatch(f"checkpoint {step} holds step {_scalar(state['step'])}")
         return state
+
+    def quarantine(step: int) -> str:
+        where = _move_aside(cfg, mngr, step, contract.QUARANTINE_DIR)
+        status.quarantined.append(contract.QuarantinedStep(step, where))
+        return where
 
     status.restore_started_at = contract.now_rfc3339()
     try:
-        restored, step, status.restore_failures = checkpointing.restore_with_fallback(
-            restore, candidates, lambda: _storage_ok(cfg), lambda: _wait_for_storage(cfg)
+        restored = checkpointing.restore_with_fallback(
+            restore, candidates, lambda: _storage_ok(cfg), lambda: _wait_for_storage(cfg), quarantine
         )
     except CheckpointIncompatible as err:
         status.restore_failures = list(err.failures)
         raise
     status.restore_finished_at = contract.now_rfc3339()
-    status.resumed_from = step
-    # Training continues from the restored step, so newer steps belong to an abandoned trajectory
-    # (or could not be restored): drop them, or a later restart from the "latest committed" step
-    # would jump back into it. Only now, after a restore worked: a failed one deletes nothing.
-    newer = [s for s in mngr.all_steps() if s > step]
-    if newer:
-        log.warning("resume: deleting checkpoints newer than the restored step %d: %s", step, newer)
-        for s in newer:
-            mngr.delete(s)
-    state: State = restored
+    status.resumed_from, status.restore_failures = restored.step, restored.failures
+    state: State = restored.state
     return state
+
+
+def _move_aside(cfg: Config, mngr: CheckpointManager, step: int, folder: str) -> str:
+    """Move committed `step` to <run dir>/<folder>/ (process 0, after every process agreed), and
+    have every process forget it; returns where it went. A move that fails leaves the step in
+    place (logged): it is tried again by the next attempt that gives it up."""
+    assert cfg.run_dir
+    where = f"{cfg.run_dir}/{folder}/{step}"
+    if jax.process_index() == 0:
+        try:
+            where = checkpointing.move_step(str(mngr.directory), f"{cfg.run_dir}/{folder}", step, MOVE_TIMEOUT_S)
+            log.warning("checkpoint: step %d moved to %s, bytes kept", step, where)
+        except Exception as err:
+            log.error("checkpoint: could not move step %d to %s (%s); it stays", step, where, progress.short_error(err))
+            where = f"(not moved: {progress.short_error(err)})"
+    if jax.process_count() > 1:
+        multihost_utils.sync_global_devices(f"tpujob-move-{folder}-{step}")
+    mngr.reload()
+    return where
 
 
 def _save(mngr: CheckpointManager, step: int, state: State, status: _Status) -> float | None:
@@ -213,6 +251,8 @@ def _save(mngr: CheckpointManager, step: int, state: State, status: _Status) -> 
         return blocked if started else None
     except Exception as err:
         status.save_failures += 1
+        if classify(err) == Kind.DENIED:  # no retry can fix a refusal: end the attempt (exit 5)
+            raise StoragePermissionDenied(progress.short_error(err)) from err
         log.warning("checkpoint: save failed (%s); training goes on, the next save retries", progress.short_error(err))
         return None
 
@@ -250,6 +290,9 @@ def _save_final_tries(
                 return True
             error = "no commit marker after the save"
         except Exception as err:
+            if classify(err) == Kind.DENIED:
+                status.save_failures += 1
+                raise StoragePermissionDenied(progress.short_error(err)) from err
             error = progress.short_error(err)
         status.save_failures += 1
         log.warning("checkpoint: save of step %d, try %d/%d, failed: %s", step, attempt, FINAL_SAVE_TRIES, error)
@@ -340,7 +383,11 @@ def run(cfg: Config, process_started_at: str | None = None) -> ExitCode:
     status = _Status(
         attempt=cfg.attempt, uid=cfg.job_uid, process_started_at=process_started_at or contract.now_rfc3339()
     )
-    mngr = _open_manager(cfg, notice, status)
+    try:
+        mngr = _open_manager(cfg, notice, status)
+    except StoragePermissionDenied as err:
+        _denied(cfg, err, status)  # no record: storage refuses it too
+        return ExitCode.STORAGE_PERMISSION_DENIED
     if cache:
         cache.prefetch()  # list the cache while the restore runs; storage has answered its probe by now
     writer = None
@@ -358,6 +405,9 @@ def run(cfg: Config, process_started_at: str | None = None) -> ExitCode:
         status.step = status.resumed_from or 0
         preempted = _train(cfg, trainer, state, mngr, notice, writer, status)
         status.outcome = "preempted" if preempted else "succeeded"
+    except StoragePermissionDenied as err:
+        _denied(cfg, err, status)  # the record below says so, if storage still takes it
+        return ExitCode.STORAGE_PERMISSION_DENIED
     finally:
         if mngr:
             _close(mngr, writer)
@@ -370,6 +420,21 @@ def run(cfg: Config, process_started_at: str | None = None) -> ExitCode:
         return ExitCode.PREEMPTED
     log.info("done: step %d", status.step)
     return ExitCode.OK
+
+
+def _denied(cfg: Config, err: StoragePermissionDenied, status: _Status) -> None:
+    """Say which bucket refused which identity: the log, the progress record, and the container's
+    termination message (`kubectl describe pod`; Kubernetes reads /dev/termination-log)."""
+    status.outcome = "failed"
+    status.storage_denied = f"{checkpointing.bucket_of(cfg.run_dir or '')} as {checkpointing.identity()}: {err}"
+    log.error("checkpoint storage refused this job's identity (exit 5): %s", status.storage_denied)
+    path = os.environ.get("TPUJOB_TERMINATION_MESSAGE_PATH", "/dev/termination-log")
+    if os.path.exists(path):
+        try:
+            with open(path, "w") as out:
+                out.write(f"StoragePermissionDenied: {status.storage_denied}"[:4096])
+        except OSError:
+            pass
 
 
 def _close(mngr: CheckpointManager, writer: progress.ProgressWriter | None) -> None:
@@ -401,6 +466,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except StorageError as err:
         log.error("checkpoint storage unusable at start: %s", err)
         return ExitCode.STORAGE
+    except StoragePermissionDenied as err:
+        log.error("checkpoint storage refused this job's identity: %s", err)
+        return ExitCode.STORAGE_PERMISSION_DENIED
     except Exception:
         log.exception("training failed")
         return ExitCode.FAILED
