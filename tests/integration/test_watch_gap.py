@@ -31,7 +31,7 @@ from kubernetes import client, config
 from kubernetes.config import kube_config
 from tpujob_devcluster.controlplane import Component, ControlPlane, build_binaries
 from tpujob_devcluster.fakegcs import FakeGcsServer
-from tpujob_operator import api, checkpoints, handlers
+from tpujob_operator import api, checkpoints, handlers, resync
 from tpujob_operator.jobset import JOBSET_GROUP, JOBSET_PLURAL, JOBSET_VERSION, LABEL_UID
 
 from ..conftest import REPO, TEST_BUCKET
@@ -128,6 +128,8 @@ def plane(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ControlPlane]:
         own.apply_crd(REPO / "crds" / "trainingjob.yaml")
         yield own
     finally:
+        for component in reversed(own.components):
+            component.stop(grace=2.0)  # nothing here is worth the default 10 s of graceful shutdown
         own.stop()
 
 
@@ -146,6 +148,7 @@ def operator(plane: ControlPlane, relay: Relay, fake_gcs_server: FakeGcsServer, 
     relayed = tmp_path / "kubeconfig"
     relayed.write_text(yaml.safe_dump(kubeconfig))
     previous = os.environ.get("KUBECONFIG"), kube_config.KUBE_CONFIG_DEFAULT_LOCATION
+    default = client.Configuration.get_default_copy()  # the operator's login replaces the client's default
     os.environ["KUBECONFIG"] = kube_config.KUBE_CONFIG_DEFAULT_LOCATION = str(relayed)
     handlers.reset_clients()
     running = OperatorThread().start()
@@ -159,6 +162,7 @@ def operator(plane: ControlPlane, relay: Relay, fake_gcs_server: FakeGcsServer, 
         else:
             os.environ["KUBECONFIG"] = previous[0]
         kube_config.KUBE_CONFIG_DEFAULT_LOCATION = previous[1]
+        client.Configuration.set_default(default)
 
 
 @pytest.fixture
@@ -292,3 +296,18 @@ def test_after_a_watch_gap_the_operator_acts_on_what_exists(operator, cluster, p
     assert [js["metadata"]["name"] for js in cluster.jobsets() if js["metadata"]["name"].startswith(steady)] == [
         f"{steady}-a0"
     ]
+
+
+def test_the_resync_lists_page_by_page_and_a_kind_it_cannot_list_is_left_out(plane, cluster, monkeypatch):
+    for i in range(3):
+        pod: Any = {
+            "metadata": {"name": f"w{i}", "labels": {"tpujob.dev/name": "j", "tpujob.dev/attempt": "0"}},
+            "spec": {"containers": [{"name": "trainer", "image": "x"}]},
+        }
+        cluster.core.create_namespaced_pod(cluster.namespace, pod)
+    created = {p.metadata.uid for p in cluster.core.list_namespaced_pod(cluster.namespace).items}
+    monkeypatch.setattr(resync, "PAGE", 2)
+    kinds = {"pods": resync.KINDS["pods"], "absent": resync.Kind("nowhere.example", "v1", "things")}
+    listed = resync.list_uids(cluster.custom.api_client, kinds, [cluster.namespace])
+    assert listed.uids == {"pods": created} and len(created) == 3
+    assert set(listed.failed) == {"absent"}

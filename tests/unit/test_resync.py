@@ -163,3 +163,11 @@ def test_before_covers_every_namespace_the_runtime_knows():
         written={("d", "j"): "4"},
     )
     assert before.namespaces() == {"a", "b", "c", "d"}
+
+
+def test_a_kind_that_could_not_be_listed_is_not_judged():
+    runtime, indexers = _runtime()
+    uids = {k: v for k, v in LISTED.uids.items() if k != "pods"}
+    outcome, _ = _apply(runtime, Listed(uids=uids, jobs=LISTED.jobs, failed={"pods": "Too Many Requests"}))
+    assert AGAIN in indexers["pods"].index and "pods" not in outcome.dropped
+    assert outcome.failed == {"pods": "Too Many Requests"}

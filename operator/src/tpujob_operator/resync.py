@@ -46,8 +46,10 @@ RESYNC_SECONDS = 600.0
 SETTLE_SECONDS = 2.0
 # Resyncs at least this far apart (a TrainingJob whose status write keeps answering 404 asks each time).
 MIN_INTERVAL_SECONDS = 5.0
-# A resync that could not LIST is tried again this soon.
-RETRY_SECONDS = 10.0
+# A resync that could not LIST every kind (the apiserver still starting: 429) is tried again this soon,
+# then twice as late each time, up to MAX_RETRY_SECONDS.
+RETRY_SECONDS = 3.0
+MAX_RETRY_SECONDS = 300.0
 PAGE = 500
 # The per-object memo kopf hands every handler: set once the object's first event was handled.
 SEEN = "tpujob_seen"
@@ -118,6 +120,7 @@ class Listed:
 
     uids: dict[str, set[str]] = field(default_factory=dict)
     jobs: set[JobKey] = field(default_factory=set)
+    failed: dict[str, str] = field(default_factory=dict)  # kinds not listed (not judged), and why
 
 
 @dataclass
@@ -125,6 +128,7 @@ class Outcome:
     dropped: dict[str, int]
     forgotten: set[JobKey]
     requested: set[JobKey]
+    failed: dict[str, str] = field(default_factory=dict)
 
 
 def remember(runtime: Runtime) -> Before:
@@ -141,15 +145,20 @@ def remember(runtime: Runtime) -> Before:
 
 
 def list_uids(client: ApiClient, kinds: Mapping[str, Kind], namespaces: Iterable[str]) -> Listed:
-    """The uids of what exists now, per index name (paged, metadata only; blocking: run in a thread)."""
+    """The uids of what exists now, per index name (paged, metadata only; blocking: run in a thread).
+    A kind that could not be listed everywhere is left out: nothing of it is judged."""
     listed = Listed({name: set() for name in kinds})
     for name, kind in kinds.items():
-        for namespace in sorted(namespaces) if kind.namespaced else [None]:
-            for item in _list(client, kind, namespace):
-                meta = item.get("metadata") or {}
-                listed.uids[name].add(str(meta.get("uid")))
-                if name == "trainingjobs":
-                    listed.jobs.add((str(meta.get("namespace")), str(meta.get("name"))))
+        try:
+            for namespace in sorted(namespaces) if kind.namespaced else [None]:
+                for item in _list(client, kind, namespace):
+                    meta = item.get("metadata") or {}
+                    listed.uids[name].add(str(meta.get("uid")))
+                    if name == "trainingjobs":
+                        listed.jobs.add((str(meta.get("namespace")), str(meta.get("name"))))
+        except Exception as error:  # 429 while the apiserver starts, a broken connection, RBAC
+            del listed.uids[name]
+            listed.failed[name] = str(getattr(error, "reason", None) or error)[:200]
     return listed
 
 
@@ -215,7 +224,7 @@ def apply(runtime: Runtime, before: Before, listed: Listed) -> Outcome:
         if key in runtime.watched:
             runtime.request(key)
             requested.add(key)
-    return Outcome(dropped, forgotten, requested)
+    return Outcome(dropped, forgotten, requested, dict(listed.failed))
 
 
 def _jobs_on(runtime: Runtime, nodes: set[str]) -> set[JobKey]:
@@ -271,7 +280,7 @@ class Resync:
 
     async def _run(self) -> None:
         assert self._wake is not None
-        last = float("-inf")
+        last, failures = float("-inf"), 0
         while True:
             try:
                 await asyncio.wait_for(self._wake.wait(), RESYNC_SECONDS)
@@ -281,10 +290,17 @@ class Resync:
             self._wake.clear()
             last = time.monotonic()
             try:
-                await self.run_once()
-            except Exception as error:  # the apiserver may still be coming back: try again soon
-                log.warning("resync of the caches failed (%s); retrying in %.0f s", error, RETRY_SECONDS)
-                self._request_later(RETRY_SECONDS)
+                outcome = await self.run_once()
+                problem = "; ".join(f"{k}: {e}" for k, e in outcome.failed.items()) if outcome else ""
+            except Exception as error:  # the apiserver may still be coming back
+                problem = str(error)[:200]
+            if not problem:
+                failures = 0
+                continue
+            delay = min(RETRY_SECONDS * 2**failures, MAX_RETRY_SECONDS)
+            failures += 1
+            log.warning("resync of the caches incomplete (%s); again in %.0f s", problem, delay)
+            self._request_later(delay)
 
     def _request_later(self, delay: float) -> None:
         if self._loop is not None:
