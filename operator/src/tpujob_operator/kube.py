@@ -24,6 +24,7 @@ REQUEST_TIMEOUT_SECONDS = 30
 # exclusive placement the replacement waits for them to leave the node pools (the demo measured
 # 14 s of a 32 s recovery at 15 s of grace).
 FAILED_ATTEMPT_GRACE_SECONDS = 5
+JOB_CREATION_FAILED = "JobCreationFailed"  # the JobSet controller's Event when the apiserver refuses a Job
 JOBSET_NAME_LABEL = "jobset.sigs.k8s.io/jobset-name"
 KUEUE_GROUP, KUEUE_VERSION = "kueue.x-k8s.io", "v1beta2"
 KUEUE_JOB_UID_LABEL = "kueue.x-k8s.io/job-uid"
@@ -67,13 +68,21 @@ class Cluster:
 
     def pod_creation_refusal(self, namespace: str, jobset_name: str) -> str | None:
         """The newest FailedCreate the Job controller reported for this JobSet's Jobs (a quota, Pod
-        Security admission, a webhook): pods that are refused never exist, so only Events say why."""
+        Security admission, a webhook), or JobCreationFailed the JobSet controller reported for the
+        JobSet (the apiserver refused its Jobs: a pod template the Job API rejects, retried forever):
+        pods or Jobs that are refused never exist, so only Events say why."""
         found = self.core.list_namespaced_event(
             namespace,
             field_selector="involvedObject.kind=Job,reason=FailedCreate",
             _request_timeout=REQUEST_TIMEOUT_SECONDS,
         )
         mine = [e for e in found.items if str(e.involved_object.name or "").startswith(f"{jobset_name}-")]
+        jobs_refused = self.core.list_namespaced_event(
+            namespace,
+            field_selector=f"involvedObject.kind=JobSet,involvedObject.name={jobset_name},reason={JOB_CREATION_FAILED}",
+            _request_timeout=REQUEST_TIMEOUT_SECONDS,
+        )
+        mine += jobs_refused.items
         if not mine:
             return None
         newest = max(mine, key=lambda e: str(e.last_timestamp or e.event_time or e.metadata.creation_timestamp))
