@@ -338,7 +338,9 @@ Quantity = Annotated[str, Field(max_length=MAX_QUANTITY_LENGTH)]
 
 
 class Resources(ApiModel):
-    model_config = ConfigDict(json_schema_extra={"x-kubernetes-validations": _request_within_limit_rules()})
+    model_config = ConfigDict(
+        json_schema_extra={"x-kubernetes-validations": _request_within_limit_rules()}  # type: ignore[dict-item]
+    )
 
     requests: (
         dict[
