@@ -65,17 +65,20 @@ def test_requests_during_a_run_coalesce_into_one_more_run():
     assert calls == [("ml", "a")] * 2 and most == 1  # never twice at once
 
 
-def test_at_most_limit_jobs_run_at_once():
+def test_at_most_limit_checks_and_limit_plus_news_limit_runs_at_once():
     async def scenario():
-        work, calls, running = _recorder({}, hold=0.05)
-        schedule = Schedule(work, limit=3)
+        work, calls, running = _recorder({("ml", str(i)): [0.3, None] for i in range(10)}, hold=0.05)
+        schedule = Schedule(work, limit=3, news_limit=2)
         for i in range(10):
-            schedule.request(("ml", str(i)))
-        await asyncio.sleep(0.5)
-        return calls, running["most"]
+            schedule.request(("ml", str(i)))  # news: every slot
+        await asyncio.sleep(0.2)  # two waves of news
+        news_most = running["most"]
+        running["most"] = 0
+        await asyncio.sleep(0.6)  # then each job's own check (0.3 s after its run): 3 slots only
+        return calls, news_most, running["most"]
 
-    calls, most = asyncio.run(scenario())
-    assert len(calls) == 10 and most == 3
+    calls, news_most, checks_most = asyncio.run(scenario())
+    assert len(calls) == 20 and news_most == 5 and checks_most == 3
 
 
 def test_a_failing_run_is_retried_and_a_cancelled_job_is_not_run():
@@ -95,3 +98,86 @@ def test_a_failing_run_is_retried_and_a_cancelled_job_is_not_run():
 
     calls, due = asyncio.run(scenario())
     assert calls == [("ml", "a")] and due == {("ml", "a")}  # retried later, b never runs
+
+
+def _slow_checks(schedule_slots: list[Schedule], release: asyncio.Event):
+    """Jobs "slow-*" whose first run (news) returns at once with a check due in 10 ms, and whose check
+    then blocks until `release` (a storage read of a bucket that does not answer); any other job's
+    run is quick. Records when each run started and which lane it was in."""
+    started: list[tuple[tuple[str, str], str, float]] = []
+    runs: dict[tuple[str, str], int] = {}
+
+    async def work(key: tuple[str, str]) -> float | None:
+        loop = asyncio.get_running_loop()
+        lane = schedule_slots[0].lane(key) if hasattr(schedule_slots[0], "lane") else "?"
+        started.append((key, lane, loop.time()))
+        runs[key] = runs.get(key, 0) + 1
+        if key[1].startswith("slow"):
+            if runs[key] == 1:
+                return 0.01
+            await release.wait()
+        return None
+
+    return work, started
+
+
+def test_news_runs_while_every_check_slot_is_held_by_slow_storage():
+    async def scenario():
+        release = asyncio.Event()
+        holder: list[Schedule] = []
+        work, started = _slow_checks(holder, release)
+        schedule = Schedule(work, limit=2)
+        holder.append(schedule)
+        for name in ("slow-a", "slow-b", "slow-c"):
+            schedule.request(("ml", name))
+        await asyncio.sleep(0.1)  # their checks now hold both check slots (slow-c's waits for one)
+        asked = asyncio.get_running_loop().time()
+        schedule.request(("ml", "failed"))  # a worker pod failed
+        await asyncio.sleep(0.1)
+        ran = [(lane, t - asked) for key, lane, t in started if key == ("ml", "failed")]
+        release.set()
+        await asyncio.sleep(0.05)
+        return ran
+
+    ran = asyncio.run(scenario())
+    assert len(ran) == 1 and ran[0][0] == "news" and ran[0][1] < 0.05  # at once, in the news lane
+
+
+def test_news_of_a_job_whose_check_waits_for_a_slot_runs_it_at_once():
+    async def scenario():
+        release = asyncio.Event()
+        holder: list[Schedule] = []
+        work, started = _slow_checks(holder, release)
+        schedule = Schedule(work, limit=1)
+        holder.append(schedule)
+        schedule.request(("ml", "slow-a"))
+        schedule.request(("ml", "slow-b"))
+        await asyncio.sleep(0.1)  # slow-a's check holds the check slot; slow-b's check waits for it
+        asked = asyncio.get_running_loop().time()
+        schedule.request(("ml", "slow-b"))  # its worker failed
+        await asyncio.sleep(0.1)
+        ran = [(lane, t - asked) for key, lane, t in started if key == ("ml", "slow-b") and t >= asked]
+        release.set()
+        await asyncio.sleep(0.05)
+        return ran
+
+    ran = asyncio.run(scenario())
+    assert len(ran) == 1 and ran[0][0] == "news" and ran[0][1] < 0.05
+
+
+def test_checks_never_take_the_slots_kept_for_news():
+    async def scenario():
+        release = asyncio.Event()
+        holder: list[Schedule] = []
+        work, started = _slow_checks(holder, release)
+        schedule = Schedule(work, limit=2, news_limit=1)
+        holder.append(schedule)
+        for i in range(4):
+            schedule.request(("ml", f"slow-{i}"))
+        await asyncio.sleep(0.1)
+        checks = sum(1 for _, lane, _ in started if lane == "checks")
+        release.set()
+        await asyncio.sleep(0.1)
+        return checks, sum(1 for _, lane, _ in started if lane == "checks")
+
+    assert asyncio.run(scenario()) == (2, 4)  # two at once while they are slow, then the other two

@@ -17,13 +17,14 @@ from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from datetime import UTC, datetime
-from typing import Any, cast
+from functools import partial
+from typing import Any, TypeVar, cast
 
 from kubernetes.client.exceptions import ApiException
 from pydantic import ValidationError
 
 from . import api, checkpoints, maxtext, nodes, policy
-from .facts import Actions, JobSetFacts, NodeFacts, Observed
+from .facts import Actions, JobSetFacts, NodeFacts, Observed, Progress
 from .jobset import (
     LABEL_ATTEMPT,
     build_jobset,
@@ -35,12 +36,14 @@ from .jobset import (
 )
 from .kube import Cluster, Conflict, load_config
 from .metrics import METRICS
+from .reads import BoundedReads
 from .reconcile import TERMINAL_PHASES, reconcile, release, with_creation_refused
 from .resync import Resync
 from .schedule import JobKey, Schedule
 from .status import parse_time, rfc3339, with_phase
 
 log = logging.getLogger("tpujob")
+T = TypeVar("T")
 # A conflicting status write means someone else changed the job: read and decide again, a few times.
 CONFLICT_RETRIES = 3
 # Refusals that only a spec change can fix; others (quota: 403, overload: 429/5xx) may pass later.
@@ -214,12 +217,13 @@ class Runtime:
         self.schedule = Schedule(self.reconcile)
         self._executor: ThreadPoolExecutor | None = None
         self.resync = Resync(self)  # after a watch gap, drops what no longer exists (resync.py)
+        self.reads = BoundedReads()  # GCS reads a reconcile waits for only so long (reads.py)
 
     # -- clients -----------------------------------------------------------------------------------
 
     def cluster(self) -> Cluster:
         if self._cluster is None:
-            load_config(pool_size=self.schedule.limit + 2)
+            load_config(pool_size=self.schedule.slots + 2)
             self._cluster = Cluster()
         return self._cluster
 
@@ -233,6 +237,7 @@ class Runtime:
         for key in list(self.schedule.due):
             self.schedule.cancel(key)
         self.resync.stop()
+        self.reads.close()
         if self._executor is not None:
             self._executor.shutdown(wait=False)
             self._executor = None
@@ -334,7 +339,7 @@ class Runtime:
             self.forget(key)
             return None
         if self._executor is None:
-            self._executor = ThreadPoolExecutor(self.schedule.limit, thread_name_prefix="reconcile")
+            self._executor = ThreadPoolExecutor(self.schedule.slots, thread_name_prefix="reconcile")
         loop = asyncio.get_running_loop()
         try:
             with METRICS.reconciling():
@@ -455,16 +460,30 @@ class Runtime:
             reads = Reads(progress=False, listing=reads.progress or reads.listing)
         if reads.progress or reads.listing:  # (MaxText's progress is its listing)
             self.read_at[key] = time.monotonic()
-        try:
+
+        def refresh(view: checkpoints.RunView) -> checkpoints.RunView:
             if reads.progress:
                 view = checkpoints.refresh_progress(self.storage(), tj.run_dir, view)
             if reads.listing:
                 view = checkpoints.refresh_latest(self.storage(), tj.run_dir, view)
+            return view
+
+        try:
+            if reads.progress or reads.listing:  # bounded: a failure's decision never waits long (reads.py)
+                view = self._bounded(tj, f"reading {tj.run_dir}", partial(refresh, view), key)
             view = checkpoints.with_reported_commit(view, tj.metadata.get("uid"), tj.status.attempt, reads.listing)
         except checkpoints.StorageError as failure:
             view = replace(view, error=str(failure), denied=isinstance(failure, checkpoints.StoragePermissionError))
         self.runs[key] = view
         return view, reads
+
+    def _maxtext_progress(self, tj: api.TrainingJob, latest: int | None, facts: list[JobSetFacts]) -> Progress | None:
+        return maxtext.read_progress(self.storage(), tj, latest, facts)
+
+    def _bounded(self, tj: api.TrainingJob, what: str, read: Callable[[], T], key: JobKey) -> T:
+        """A GCS read that waits as long as the job's run may (schedule lane: news briefly)."""
+        bucket, _ = checkpoints.split_gs_path(tj.run_dir)
+        return self.reads.read(bucket, what, read, news=self.schedule.lane(key) == "news")
 
     def _observe(self, key: JobKey, tj: api.TrainingJob, snapshot: Snapshot, deciding: bool) -> Observed:
         uid = tj.metadata.get("uid")
@@ -504,7 +523,8 @@ class Runtime:
         maxtext_news = reads.listing or deciding or view.progress is None
         if tj.spec.framework == maxtext.FRAMEWORK and error is None and maxtext_news:  # it writes no record
             try:
-                progress = maxtext.read_progress(self.storage(), tj, view.latest_committed_step, facts)
+                read = partial(self._maxtext_progress, tj, view.latest_committed_step, list(facts))
+                progress = self._bounded(tj, f"reading {tj.run_dir}", read, key)
                 self.runs[key] = replace(view, progress=progress)
             except checkpoints.StorageError as failure:
                 error, denied = str(failure), isinstance(failure, checkpoints.StoragePermissionError)
