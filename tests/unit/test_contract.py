@@ -152,6 +152,7 @@ def test_quarantined_steps_and_a_storage_denial_round_trip_and_older_records_sti
     )  # fmt: skip
     back = contract.from_json(contract.to_json(record))
     assert back == record
+    assert parse_progress(contract.to_json(record).encode()).quarantined == (30,)  # what the operator names
     older = json.loads(contract.to_json(record))
     del older["quarantined"], older["storage_denied"]  # a trainer from before these fields
     read = contract.from_json(json.dumps(older))

@@ -238,12 +238,13 @@ def test_an_incompatible_checkpoint_fails_the_job_at_once_without_spending_the_b
 def test_the_step_actually_restored_is_recorded_with_an_event():
     tj = training_job(status={"phase": "Restarting", "attempt": 1, "resumedFromStep": 60})
     progress = _progress(step=45, attempt=1, restored_step=40, resumed_from_step=40,
-                         restore_failures=(RestoreFailure(60, "missing object"),))  # fmt: skip
+                         restore_failures=(RestoreFailure(60, "missing object"),), quarantined=(60,))  # fmt: skip
     pods = (_scheduled(),)
     status, actions = reconcile(tj, Observed(now=T0, jobsets=(_jobset(attempt=1, pods=pods),), progress=progress))
     assert status.resumed_from_step == 40
     fallback = [e for e in actions.events if e.reason == "RestoreFallback"]
     assert fallback and "step 60 (missing object)" in fallback[0].message and "restored step 40" in fallback[0].message
+    assert "quarantined step(s) 60 to quarantine/" in fallback[0].message
 
 
 # --- refused objects, bounded numbers ----------------------------------------------------------------------

@@ -106,6 +106,7 @@ def parse_progress(raw: bytes) -> Progress:
         uid=record.uid or None,
         restored_step=record.restored_step,
         restore_failures=tuple(RestoreFailure(f.step, f.error) for f in record.restore_failures),
+        quarantined=tuple(q.step for q in record.quarantined),
         process_started_at=contract.parse_time(record.process_started_at),
         storage_ready_at=contract.parse_time(record.storage_ready_at),
         restore_started_at=contract.parse_time(record.restore_started_at),

@@ -104,6 +104,7 @@ class Progress:
     uid: str | None = None  # the TrainingJob incarnation that wrote it; a record of another one is ignored
     restored_step: int | None = None
     restore_failures: tuple[RestoreFailure, ...] = ()
+    quarantined: tuple[int, ...] = ()  # of those, the steps the trainer moved to <run dir>/quarantine/
     # When this attempt's process started, storage answered, the restore ran and the first step ended;
     # and how long saves blocked the training loop (cumulative): the goodput ledger's trainer half.
     process_started_at: datetime | None = None

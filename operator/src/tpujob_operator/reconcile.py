@@ -249,8 +249,14 @@ def _report_restore_fallback(
         return  # already reported
     broken = ", ".join(f"step {f.step} ({f.error})" for f in progress.restore_failures)
     restored = "nothing: fresh start" if progress.restored_step is None else f"step {progress.restored_step}"
+    moved = ", ".join(str(s) for s in progress.quarantined)
+    aside = f"; quarantined step(s) {moved} to quarantine/ in the run directory, bytes kept" if moved else ""
     actions.events.append(
-        Event("Warning", "RestoreFallback", f"attempt {status.attempt} could not restore {broken}; restored {restored}")
+        Event(
+            "Warning",
+            "RestoreFallback",
+            f"attempt {status.attempt} could not restore {broken}; restored {restored}{aside}",
+        )
     )
 
 
