@@ -349,11 +349,19 @@ def test_a_job_failed_for_another_reason_stops_its_live_workers_with_their_save_
 
 def test_a_worker_refused_by_storage_fails_the_job_at_once_naming_the_bucket_and_the_identity():
     tj = _running(restart={"maxRestarts": 5}, serviceAccountName="trainer")
-    pods = (_scheduled(phase="Failed", exit_code=5, finished_at=T0),)
+    said = "StoragePermissionDenied: gs://acme-ckpt as trainer@acme.iam.gserviceaccount.com: 403 Forbidden"
+    pods = (_scheduled(phase="Failed", exit_code=5, finished_at=T0, termination_message=said),)
     status, actions = reconcile(tj, Observed(now=T0, jobsets=(_jobset(pods=pods),), latest_committed_step=40))
     assert status.phase == "Failed" and _condition(status, "Failed")[1] == "StoragePermissionDenied"
     message = _condition(status, "Failed")[2]
     assert "gs://acme-ckpt" in message and "ServiceAccount ml/trainer" in message and "grant" in message
+    assert "(the trainer: gs://acme-ckpt as trainer@acme.iam.gserviceaccount.com: 403 Forbidden)" in message
+    from tpujob_operator.jobset import pod_facts  # where the message comes from: the container's termination
+
+    terminated = {"exitCode": 5, "reason": "Error", "message": said}
+    pod = {"metadata": {"name": "w"}, "status": {"phase": "Failed", "containerStatuses": [
+           {"name": "trainer", "state": {"terminated": terminated}}]}}  # fmt: skip
+    assert pod_facts(pod).termination_message == said
     assert (status.restarts, status.counted_restarts, status.last_failure.counted) == (0, 0, False)
     assert status.last_failure.kind == "StoragePermissionDenied"
     assert actions.create_attempt is None and actions.delete == ["llama-a0"]  # and it holds no slice

@@ -26,6 +26,7 @@ class PodFacts:
     scheduled_at: datetime | None = None  # PodScheduled=True since
     waiting_reason: str | None = None  # container waiting reason (ImagePullBackOff, CreateContainerConfigError, ...)
     waiting_message: str | None = None
+    termination_message: str | None = None  # what the container wrote to its termination-log on exit
     node: str | None = None  # spec.nodeName: the node it was bound to (None: never scheduled)
 
 

@@ -285,6 +285,7 @@ def pod_facts(pod: dict[str, Any]) -> PodFacts:
         scheduled_at=scheduled_at,
         waiting_reason=waiting.get("reason"),
         waiting_message=waiting.get("message"),
+        termination_message=terminated.get("message"),
         node=(pod.get("spec") or {}).get("nodeName"),
     )
 

@@ -15,6 +15,8 @@ from __future__ import annotations
 import dataclasses
 from datetime import datetime
 
+from tpujob_contract import ExitCode
+
 from . import goodput, maxtext
 from .api import (
     FailureEvidence,
@@ -582,7 +584,7 @@ def _after_failure(
     now = observed.now
     policy = tj.spec.restart
     if failure.kind == "StoragePermissionDenied":
-        failure = dataclasses.replace(failure, message=f"{failure.message}: {_permission_advice(tj)}")
+        failure = dataclasses.replace(failure, message=f"{failure.message}: {_permission_advice(tj, current)}")
     counted = counts_against_budget(failure.kind, policy)
     latest = _known_latest_step(status, observed)
     progress = observed.progress
@@ -646,14 +648,21 @@ def _after_failure(
     return _staged(status, "BackingOff", now), actions
 
 
-def _permission_advice(tj: TrainingJob) -> str:
-    """Which bucket refused whom, and what fixes it (no restart does)."""
+_DENIED_PREFIX = "StoragePermissionDenied: "  # how the trainer's termination message starts (exit 5)
+
+
+def _permission_advice(tj: TrainingJob, current: JobSetFacts) -> str:
+    """Which bucket refused whom, and what fixes it (no restart does); with the trainer's own word when
+    its termination message gives it (the bucket, the GCP identity it ran as, the error)."""
     bucket = tj.spec.checkpoint.directory.removeprefix("gs://").partition("/")[0]
     account = tj.spec.service_account_name or "default"
+    denied = ExitCode.STORAGE_PERMISSION_DENIED
+    said = next((p.termination_message for p in current.pods if p.termination_message and p.exit_code == denied), None)
+    trainer = f" (the trainer: {said.removeprefix(_DENIED_PREFIX)[:400]})" if said else ""
     return (
         f"the workers' identity (ServiceAccount {tj.namespace}/{account}, through Workload Identity its GCP "
-        f"service account) may not use bucket gs://{bucket}: grant it roles/storage.objectUser on the bucket, "
-        "then re-create the job"
+        f"service account) may not use bucket gs://{bucket}{trainer}: grant it roles/storage.objectUser on the "
+        "bucket, then re-create the job"
     )
 
 
