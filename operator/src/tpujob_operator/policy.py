@@ -18,7 +18,7 @@ job that got past admission (the policy not installed, or tightened after the jo
 A policy tightened while a job runs (`helm upgrade`) never stops its workers: the attempt already
 running (its JobSet exists and is not suspended) goes on, with a `PolicyViolation` condition and a
 Warning Event, and the job ends Failed/PolicyViolation instead of starting another attempt outside the
-policy. A job with no running attempt is refused at once (`running_attempt`, `with_warning`).
+policy. A job with no running attempt is refused at once (`running_attempt`, `while_running`).
 """
 
 from __future__ import annotations
