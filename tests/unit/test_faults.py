@@ -86,6 +86,29 @@ def test_a_worker_that_gave_up_on_storage_restarts_without_spending_the_budget()
     assert status.last_failure.kind == "StorageUnavailable" and status.last_failure.counted is False
 
 
+def test_workers_that_keep_failing_to_reach_storage_end_the_job_after_an_hour_not_never():
+    def exit_3(status, attempt, at, progress=None):
+        tj = training_job(restart={"maxRestarts": 0}, status=status.model_dump(by_alias=True, exclude_none=True))
+        pods = (_scheduled(phase="Failed", exit_code=3, finished_at=at),)
+        observed = Observed(now=at, jobsets=(_jobset(attempt=attempt, pods=pods),), latest_committed_step=40)
+        return reconcile(tj, observed)
+
+    status, _ = exit_3(_running().status, 0, T0)
+    assert status.phase == "Restarting" and status.storage_unavailable_since == rfc3339(T0)
+    status, _ = exit_3(status, 1, T0 + timedelta(minutes=50))
+    assert status.phase == "Restarting" and status.storage_unavailable_since == rfc3339(T0)  # the same streak
+    status, actions = exit_3(status, 2, T0 + timedelta(minutes=61))
+    assert status.phase == "Failed" and _condition(status, "Failed")[1] == "StorageOutage"
+    assert "gs://acme-ckpt" in _condition(status, "Failed")[2] and status.counted_restarts == 0
+    assert actions.delete == ["llama-a2"] and actions.create_attempt is None  # and it holds no slice
+    # An attempt that reached storage and trained ends the streak: the next outage starts its own hour.
+    restarting = training_job(status={"phase": "Restarting", "attempt": 1, "storageUnavailableSince": rfc3339(T0)})
+    trained = _progress(step=60, attempt=1, at=T0 + timedelta(minutes=50))
+    status, _ = reconcile(restarting, Observed(now=T0 + timedelta(minutes=50), progress=trained,
+                          jobsets=(_jobset(attempt=1, pods=(_scheduled(),)),)))  # fmt: skip
+    assert status.phase == "Running" and status.storage_unavailable_since is None
+
+
 def test_a_restart_during_an_outage_lets_the_trainer_find_the_latest_step():
     tj = training_job(status={"phase": "Restarting", "attempt": 1, "latestCheckpoint": {"step": 40}})
     status, actions = reconcile(tj, Observed(now=T0, storage_error="timeout"))

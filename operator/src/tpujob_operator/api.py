@@ -887,6 +887,13 @@ class TrainingJobStatus(StatusModel):
         default=None,
         description="When checkpoint storage became readable again after an outage; no clock counts the outage.",
     )
+    storage_unavailable_since: str | None = Field(
+        default=None,
+        description=(
+            "When the first of the attempts that failed in a row for unreachable checkpoint storage (exit 3) "
+            "failed; the job fails once they span more than an hour."
+        ),
+    )
     queue: QueueStatus | None = Field(default=None, description="Kueue admission, for jobs that use a queue.")
     checkpoint_cadence: CheckpointCadence | None = Field(
         default=None, description="checkpoint.policy adaptive: the interval in force and what it rests on."

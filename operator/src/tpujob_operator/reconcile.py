@@ -50,6 +50,9 @@ RECHECK_SECONDS = 60.0  # nothing is expected: a safety net
 STARTUP_CHECK_SECONDS = 5.0  # the first step of a started attempt is expected any moment
 STORAGE_RETRY_SECONDS = 10.0  # storage could not be read: try again soon
 STORAGE_CONDITION = "CheckpointStorageReachable"
+# Attempts that fail in a row because the workers cannot reach checkpoint storage (exit 3, after the
+# trainer's own 600 s wait) are restarted, uncounted, for this long from the first; then the job fails.
+STORAGE_OUTAGE_LIMIT_SECONDS = 3600
 # Container waiting reasons that keep a started pod from ever running until someone fixes something.
 _STUCK_WAITING_REASONS = (
     "ImagePullBackOff",
@@ -172,6 +175,7 @@ def _decide(tj: TrainingJob, observed: Observed) -> tuple[TrainingJobStatus, Act
     return _while_active(tj, status, observed, actions, current)
 
 
+STORAGE_OUTAGE_REASON = "StorageOutage"
 RELEASE_CHECK_SECONDS = 5.0  # a finished job's JobSets were deleted: look again until none is left
 
 
@@ -201,7 +205,7 @@ def _ended_by_a_failure(status: TrainingJobStatus) -> bool:
     return (
         status.phase == "Failed"
         and failure is not None
-        and _phase_reason(status) in ("RestartBudgetExhausted", failure.reason)
+        and _phase_reason(status) in ("RestartBudgetExhausted", STORAGE_OUTAGE_REASON, failure.reason)
     )
 
 
@@ -556,6 +560,7 @@ def _while_active(
         return with_phase(status, waiting_phase, reason, message, now), actions
 
     status = _staged(status, "Training", now)
+    status.storage_unavailable_since = None  # this attempt reached storage and trains: no outage streak
     last_progress = parse_time(status.last_progress_time) or floor
     since = max(floor, last_progress)
     actions.requeue_after = _until(now, since, policy.hang_timeout_seconds, RECHECK_SECONDS)
@@ -607,6 +612,22 @@ def _after_failure(
     status.lost_steps += lost or 0
     where = f"slice {failure.slice}" if failure.slice is not None else "a slice"
     actions.events.append(Event("Warning", "FailureDetected", f"{failure.kind} on {where}: {failure.message}"))
+    if failure.kind == "StorageUnavailable":  # an outage the workers keep meeting ends the job, in time
+        since = parse_time(status.storage_unavailable_since) or failure.time or now
+        status.storage_unavailable_since = rfc3339(since)
+        if (now - since).total_seconds() > STORAGE_OUTAGE_LIMIT_SECONDS:
+            status.completion_time = rfc3339(now)
+            message = (
+                f"checkpoint storage unreachable from the workers in every attempt since {rfc3339(since)}, more "
+                f"than {STORAGE_OUTAGE_LIMIT_SECONDS} s: {failure.message}; check that gs://"
+                f"{tj.spec.checkpoint.directory.removeprefix('gs://').partition('/')[0]} is reachable from the "
+                "nodes, then re-create the job"
+            )
+            actions.events.append(Event("Warning", STORAGE_OUTAGE_REASON, message))
+            failed = _enter(status, "Failed", STORAGE_OUTAGE_REASON, message, "Finished", now)
+            return _given_up(tj, failed, observed, actions)
+    else:
+        status.storage_unavailable_since = None
     if failure.kind in TERMINAL_KINDS:
         status.completion_time = rfc3339(now)
         actions.events.append(Event("Warning", failure.reason, f"{failure.message}; no restart can fix this"))
