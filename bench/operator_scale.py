@@ -29,6 +29,10 @@ Per size:
   reaction    K times, one at a time: SIGKILL the worker of a random Running job; reaction = the
               kill -> the replacement JobSet (attempt + 1) seen ADDED by this bench's watch
               (milliseconds; creationTimestamp has whole seconds). p50/p99/max/n and timeouts
+  reaction_gcs_blackholed  with --blackhole-kills N: the same, N kills, while the proxy holds every
+              GCS request of the operator unanswered (a brownout; after --blackhole-settle seconds of
+              it, so that every job's progress check has met it), then lifted. The stub trainers
+              write straight to the emulator: only the operator's storage is gone
   cluster     CPU seconds per minute of the other devcluster processes in the window (context: they
               share the 2 cores with the operator), and the load average
 Every wait has a timeout: a size whose jobs are not all Running in time is measured as it stands.
@@ -89,6 +93,7 @@ AUDIT_POLICY: dict[str, Any] = {
     ],
 }
 CLK_TCK = os.sysconf("SC_CLK_TCK")
+BLACKHOLE_HOLD = 120.0  # a blackholed request is held this long at most (the client gives up sooner)
 
 
 def log(message: str) -> None:
@@ -135,7 +140,19 @@ class CountingProxy(ThreadingHTTPServer):
         self.upstream_port = upstream_port
         self.counts: Counter[str] = Counter()
         self.lock = threading.Lock()
+        # Set: requests are accepted and never answered (a GCS brownout as the client sees it: its
+        # per-call timeout, then retries); each is held until the blackhole is lifted or BLACKHOLE_HOLD.
+        self.blackhole = threading.Event()
+        self.lifted = threading.Event()
         super().__init__(("127.0.0.1", 0), _ProxyHandler)
+
+    def blackhole_on(self) -> None:
+        self.lifted.clear()
+        self.blackhole.set()
+
+    def blackhole_off(self) -> None:
+        self.blackhole.clear()
+        self.lifted.set()
 
     @property
     def endpoint(self) -> str:
@@ -160,8 +177,13 @@ class _ProxyHandler(BaseHTTPRequestHandler):
     def _forward(self) -> None:
         length = int(self.headers.get("Content-Length") or 0)
         body = self.rfile.read(length) if length else None
+        blackholed = self.server.blackhole.is_set()
         with self.server.lock:
-            self.server.counts[f"{self.command} {gcs_kind(self.command, self.path)}"] += 1
+            self.server.counts[f"{self.command} {gcs_kind(self.command, self.path)}{' (blackholed)' * blackholed}"] += 1
+        if blackholed:
+            self.server.lifted.wait(BLACKHOLE_HOLD)
+            self.close_connection = True  # no answer at all: the client has timed out by now
+            return
         upstream: http.client.HTTPConnection | None = getattr(self, "_upstream", None)
         if upstream is None:
             upstream = http.client.HTTPConnection("127.0.0.1", self.server.upstream_port, timeout=30)
@@ -384,7 +406,7 @@ class Bench:
     def step_up(self, size: int) -> dict[str, Any]:
         args = self.args
         result: dict[str, Any] = {"jobs": size}
-        want_pools = size + args.kills + args.spare_pools
+        want_pools = size + args.kills + args.blackhole_kills + args.spare_pools
         t0 = time.monotonic()
         if want_pools > self.pools:
             log(f"size {size}: adding {want_pools - self.pools} node pools")
@@ -423,7 +445,9 @@ class Bench:
             time.sleep(args.settle_seconds)  # the stubs' writes spread out; start-up work drains
         result["idle"] = self.idle_window(size)
         result["status_staleness"] = self.staleness()
-        result["reaction"] = self.reactions()
+        result["reaction"] = self.reactions(args.kills)
+        if args.blackhole_kills:
+            result["reaction_gcs_blackholed"] = self.blackholed_reactions(size)
         result["phases_after"] = dict(self.phases())
         problems = []
         if not running:
@@ -539,12 +563,32 @@ class Bench:
         ]
         return max(running, key=lambda r: r[1]) if running else None
 
-    def reactions(self) -> dict[str, Any]:
+    def blackholed_reactions(self, size: int) -> dict[str, Any]:
+        """The reaction while the operator's GCS accepts requests and never answers them (after
+        --blackhole-settle seconds of it: every job's progress check has met it), then lifted."""
+        log(f"size {size}: the operator's GCS blackholed; {self.args.blackhole_settle:.0f} s before the kills")
+        gcs0 = self.proxy.snapshot()
+        self.proxy.blackhole_on()
+        try:
+            time.sleep(self.args.blackhole_settle)
+            reaction = self.reactions(self.args.blackhole_kills)
+        finally:
+            self.proxy.blackhole_off()
+        held = {k: n for k, n in (self.proxy.snapshot() - gcs0).items() if k.endswith("(blackholed)")}
+        return {
+            **reaction,
+            "measure": reaction["measure"] + ", the operator's GCS requests held unanswered",
+            "settle_seconds": self.args.blackhole_settle,
+            "gcs_requests_held": sum(held.values()),
+            "gcs_requests_held_by_kind": dict(sorted(held.items())),
+        }
+
+    def reactions(self, kills: int) -> dict[str, Any]:
         samples: list[float] = []
         timeouts, skipped = 0, 0
         candidates = self.rng.sample(self.jobs, len(self.jobs))
         for name in candidates:
-            if len(samples) + timeouts >= self.args.kills:
+            if len(samples) + timeouts >= kills:
                 break
             worker = self.running_worker(name)
             if worker is None:
@@ -605,7 +649,13 @@ def operator_source(rev: str | None, parent: Path) -> Iterator[tuple[str, Path |
         yield checkout
 
 
-TARGETS = {"operator_rss_mb": 250, "reaction_p99_s": 2.0, "periodic_list_calls": 0, "gcs_ops_per_idle_job_hour": 60}
+TARGETS = {
+    "operator_rss_mb": 250,
+    "reaction_p99_s": 2.0,
+    "reaction_gcs_blackholed_p99_s": 2.0,
+    "periodic_list_calls": 0,
+    "gcs_ops_per_idle_job_hour": 60,
+}
 
 
 def targets(size: dict[str, Any]) -> dict[str, Any]:
@@ -613,13 +663,25 @@ def targets(size: dict[str, Any]) -> dict[str, Any]:
     got = {
         "operator_rss_mb": idle["operator"]["rss_mb_max"],
         "reaction_p99_s": size["reaction"]["p99"],
+        "reaction_gcs_blackholed_p99_s": _blackholed_p99(size),
         "periodic_list_calls": idle["apiserver"].get("periodic_list_calls"),
         "gcs_ops_per_idle_job_hour": idle["gcs"]["operations_per_job_hour"],
     }
     return {
         key: {"target": limit, "got": got[key], "met": got[key] is not None and got[key] <= limit}
         for key, limit in TARGETS.items()
+        if key in got and (key != "reaction_gcs_blackholed_p99_s" or "reaction_gcs_blackholed" in size)
     }
+
+
+def _blackholed_p99(size: dict[str, Any]) -> float | None:
+    """The p99 with the operator's GCS blackholed; a kill never reacted to within the timeout makes it
+    unmet (None) whatever the others."""
+    reaction = size.get("reaction_gcs_blackholed")
+    if reaction is None or reaction["timeouts"]:
+        return None
+    p99: float | None = reaction["p99"]
+    return p99
 
 
 def run_sizes(
@@ -693,6 +755,15 @@ def main() -> None:
         default=120.0,
         help="status.step behind the trainer's record by more than this (p99) is not keeping up (s)",
     )
+    parser.add_argument(
+        "--blackhole-kills",
+        type=int,
+        default=0,
+        help="then, with the operator's GCS blackholed (requests held unanswered), this many more kills per size",
+    )
+    parser.add_argument(
+        "--blackhole-settle", type=float, default=60.0, help="blackholed this long before those kills (s)"
+    )
     parser.add_argument("--spare-pools", type=int, default=5, help="node pools beyond jobs + kills")
     parser.add_argument("--pod-runner-interval", type=float, default=1.0, help="the pod runner's pass interval (s)")
     parser.add_argument("--operator-rev", help="run this revision's operator and chart (git worktree)")
@@ -733,6 +804,16 @@ def main() -> None:
                 "reaction_p50_s": r["reaction"]["p50"],
                 "reaction_p99_s": r["reaction"]["p99"],
                 "reaction_n": r["reaction"]["n"],
+                **(
+                    {
+                        "reaction_gcs_blackholed_p50_s": r["reaction_gcs_blackholed"]["p50"],
+                        "reaction_gcs_blackholed_p99_s": r["reaction_gcs_blackholed"]["p99"],
+                        "reaction_gcs_blackholed_n": r["reaction_gcs_blackholed"]["n"],
+                        "reaction_gcs_blackholed_timeouts": r["reaction_gcs_blackholed"]["timeouts"],
+                    }
+                    if "reaction_gcs_blackholed" in r
+                    else {}
+                ),
                 "ready_seconds": r["ready_seconds"],
                 "keeping_up": r["keeping_up"],
             }
