@@ -568,17 +568,21 @@ class Bench:
         --blackhole-settle seconds of it: every job's progress check has met it), then lifted."""
         log(f"size {size}: the operator's GCS blackholed; {self.args.blackhole_settle:.0f} s before the kills")
         gcs0 = self.proxy.snapshot()
+        pids = self.operator_pids()
+        cpu0, t0 = sum(_cpu_seconds(p) for p in pids), time.monotonic()
         self.proxy.blackhole_on()
         try:
             time.sleep(self.args.blackhole_settle)
             reaction = self.reactions(self.args.blackhole_kills)
         finally:
             self.proxy.blackhole_off()
+        cpu = (sum(_cpu_seconds(p) for p in pids) - cpu0) / ((time.monotonic() - t0) / 60)
         held = {k: n for k, n in (self.proxy.snapshot() - gcs0).items() if k.endswith("(blackholed)")}
         return {
             **reaction,
             "measure": reaction["measure"] + ", the operator's GCS requests held unanswered",
             "settle_seconds": self.args.blackhole_settle,
+            "operator_cpu_seconds_per_minute": round(cpu, 2),
             "gcs_requests_held": sum(held.values()),
             "gcs_requests_held_by_kind": dict(sorted(held.items())),
         }

@@ -62,6 +62,8 @@ POD_CREATION_GRACE_SECONDS = 10.0
 # a worker stopped by a suspension or a preemption saves first and writes its last record as it exits.
 ENDING_READ_SECONDS = 60.0
 ENDING_CHECK_SECONDS = 5.0
+# A training job's checks while its bucket does not answer (reads.py): one probe at a time reads it.
+SLOW_STORAGE_CHECK_SECONDS = 30.0
 # Status that differs only in the goodput ledger's clock is written at most this often.
 GOODPUT_WRITE_SECONDS = 60.0
 
@@ -405,7 +407,7 @@ class Runtime:
             self.forget(key)
             return None
         self.keep_only_attempt(key, tj.metadata.get("uid"), status.attempt)
-        return self._next_check(status, actions, snapshot)
+        return self._next_check(status, actions, snapshot, tj.run_dir)
 
     def _release(self, key: JobKey, uid: str | None, status: api.TrainingJobStatus, snapshot: Snapshot) -> float | None:
         """A finished job: delete what is left of it (`reconcile.release`); forgotten once nothing is."""
@@ -417,14 +419,20 @@ class Runtime:
         self._tear_down(key, actions)
         return actions.requeue_after
 
-    def _next_check(self, status: api.TrainingJobStatus, actions: Actions, snapshot: Snapshot) -> float | None:
+    def _next_check(
+        self, status: api.TrainingJobStatus, actions: Actions, snapshot: Snapshot, run_dir: str
+    ) -> float | None:
         """The reconciler's own deadline; for a training job no later than its next progress check, and
-        while workers are ending, soon (their last records)."""
+        while workers are ending, soon (their last records). While its bucket is known slow
+        (reads.py), a training job's checks, which could read nothing, back off: no clock decides
+        while progress is unknown, and news (a failure) does not wait for a check."""
         delay = actions.requeue_after
         if status.stage == "Training":
             delay = min(delay if delay is not None else self.progress_check_seconds, self.progress_check_seconds)
         if self._workers_ending(snapshot.key) or _just_stopped(status):
             delay = min(delay if delay is not None else ENDING_CHECK_SECONDS, ENDING_CHECK_SECONDS)
+        if status.stage == "Training" and delay is not None and self.reads.slow(checkpoints.split_gs_path(run_dir)[0]):
+            delay = max(delay, SLOW_STORAGE_CHECK_SECONDS)
         return delay
 
     def _workers_ending(self, key: JobKey) -> bool:
