@@ -4,7 +4,8 @@ A pod bound to one of the devcluster's nodes runs as a local process:
 - its image is mapped to a local entrypoint through devcluster/images.yaml;
 - its env is the pod's env with downward-API fields resolved, plus the devcluster's stand-ins for
   the cloud (the GCS emulator) and for TPU chips (google.com/tpu: N -> N CPU devices for JAX);
-- isolation: each pod gets its own loopback address (127.x.y.z), its own UTS namespace (hostname)
+- isolation: each pod gets its own loopback address (127.B.y.z: B is this runner's own block, unique
+  on the machine, see AddressPool), its own UTS namespace (hostname)
   and mount namespace, in which /etc/hosts is the pod's subdomain's hosts file (the headless
   Service's DNS on GKE) and the ServiceAccount token is mounted where in-cluster clients look.
   Two jobs' pods bind the same ports on different addresses and never collide, and all traffic
@@ -24,20 +25,23 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import fcntl
 import fnmatch
 import ipaddress
 import logging
 import os
 import re
 import shlex
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 import yaml
 from kubernetes import client, config
@@ -144,18 +148,81 @@ class RunningPod:
     lock: threading.Lock = field(default_factory=threading.Lock)
 
 
-class AddressPool:
-    """Unique loopback addresses for pods: 127.1.0.1, 127.1.0.2, ... (127.0.0.1 stays the host's)."""
+# Every devcluster on this machine shares the loopback interface, and a coordinator port is the
+# same in every job (jobset.COORDINATOR_PORT). gRPC listens with SO_REUSEPORT, so two pods given
+# one address by two pod runners both bind <address>:8476 without an error, and the kernel deals
+# connections between the two JAX coordinators: one job's workers register at the other's (issue 17,
+# item 14). Each pod runner therefore claims a /16 of its own for as long as it runs.
+ADDRESS_LOCKS = Path(tempfile.gettempdir()) / "tpujob-loopback-blocks"
+_BLOCKS = range(1, 255)  # 127.<block>.0.0/16; 127.0.0.0/16 stays the host's
 
-    def __init__(self) -> None:
-        self._next = int(ipaddress.IPv4Address("127.1.0.1"))
+
+def addresses_in_use() -> set[str]:
+    """Local IPv4 addresses of every TCP socket on this machine (any process, any state), from
+    /proc/net/tcp and /proc/net/tcp6 (v4-mapped): a pod of a runner that died may still hold one."""
+    found: set[str] = set()
+    for table, width in (("/proc/net/tcp", 8), ("/proc/net/tcp6", 32)):
+        with contextlib.suppress(OSError), open(table) as lines:
+            for line in list(lines)[1:]:
+                local = line.split()[1].split(":")[0]
+                if width == 32 and not local.startswith("0000000000000000FFFF0000"):
+                    continue
+                found.add(str(ipaddress.IPv4Address(bytes.fromhex(local[-8:])[::-1])))
+    return found
+
+
+class AddressPool:
+    """Unique loopback addresses for pods, machine-wide: this runner's own block 127.B.0.0/16 (held
+    by an exclusive lock on ADDRESS_LOCKS/B while the runner lives; the kernel releases it when the
+    runner dies), handed out in order, skipping any address a socket on this machine still uses."""
+
+    def __init__(self, lock_dir: Path = ADDRESS_LOCKS) -> None:
         self._lock = threading.Lock()
+        self.block, self._lock_file = _claim_block(lock_dir)
+        self._next = 0
 
     def take(self) -> str:
         with self._lock:
-            address = ipaddress.IPv4Address(self._next)
-            self._next += 1
-            return str(address)
+            in_use = addresses_in_use()
+            for _ in range(256 * 254):
+                self._next = self._next % (256 * 254) + 1  # 127.B.0.1 .. 127.B.254.254
+                high, low = divmod(self._next - 1, 254)
+                address = f"127.{self.block}.{high}.{low + 1}"
+                if address not in in_use:
+                    return address
+            raise RuntimeError(f"every address of 127.{self.block}.0.0/16 is in use")
+
+    def close(self) -> None:
+        self._lock_file.close()
+
+
+def _claim_block(lock_dir: Path) -> tuple[int, IO[str]]:
+    lock_dir.mkdir(parents=True, exist_ok=True)
+    with contextlib.suppress(OSError):
+        lock_dir.chmod(0o1777)  # every user's devclusters claim blocks here
+    for block in _BLOCKS:
+        path = lock_dir / str(block)
+        try:
+            handle = path.open("a")
+        except OSError:
+            continue  # another user's lock file we may not open: taken for our purposes
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            handle.close()
+            continue
+        with contextlib.suppress(OSError):
+            path.chmod(0o666)
+        return block, handle
+    raise RuntimeError(f"all {len(_BLOCKS)} loopback blocks are claimed by other pod runners ({lock_dir})")
+
+
+def _rewrite(path: Path, lines: list[str]) -> None:
+    # Rewritten in place (not renamed): the file is bind-mounted by inode into running pods.
+    with path.open("r+" if path.exists() else "w") as handle:
+        handle.seek(0)
+        handle.write("\n".join(lines) + "\n")
+        handle.truncate()
 
 
 class PodRunner:
@@ -171,6 +238,9 @@ class PodRunner:
         self.addresses = AddressPool()
         self.pods: dict[str, RunningPod] = {}
         self.hosts_lock = threading.Lock()
+        # An earlier runner's hosts files name addresses it no longer holds (another runner may hand
+        # them out now): a peer must never resolve a name to a stale address. No pod runs yet.
+        shutil.rmtree(self.state_dir / "hosts", ignore_errors=True)
         self.stopping = threading.Event()
 
     # -- hosts files: the stand-in for the headless Service's DNS records -------------------------
@@ -185,11 +255,12 @@ class PodRunner:
             # A pod name seen again (a replacement pod) takes its new address: drop the old line.
             lines = [line for line in lines if names[0] not in line.split()[1:]]
             lines.append(f"{ip} {' '.join(names)}")
-            # Rewritten in place (not renamed): the file is bind-mounted by inode into running pods.
-            with path.open("r+" if path.exists() else "w") as handle:
-                handle.seek(0)
-                handle.write("\n".join(lines) + "\n")
-                handle.truncate()
+            _rewrite(path, lines)
+
+    def _remove_host(self, path: Path, ip: str) -> None:
+        """A pod that ended leaves its subdomain's DNS (its address goes back to the pool)."""
+        with self.hosts_lock, contextlib.suppress(FileNotFoundError):
+            _rewrite(path, [line for line in path.read_text().splitlines() if line.split()[:1] != [ip]])
 
     # -- lifecycle ----------------------------------------------------------------------------------
     def start_pod(self, pod: dict[str, Any]) -> None:
@@ -276,6 +347,7 @@ class PodRunner:
     def _wait_for_exit(self, running: RunningPod, pod: dict[str, Any]) -> None:
         code = running.process.wait()
         exit_code = code if code >= 0 else 128 - code  # killed by signal N: 128+N, as runtimes report
+        self._remove_host(running.hosts_file, running.ip)
         with running.lock:
             running.finished = True
         terminated = {
@@ -442,6 +514,7 @@ class PodRunner:
         for running in list(self.pods.values()):
             self._signal(running, signal.SIGKILL)
             running.process.wait()
+        self.addresses.close()
 
 
 def main(argv: list[str] | None = None) -> None:
