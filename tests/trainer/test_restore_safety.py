@@ -81,3 +81,24 @@ def test_a_403_on_a_save_exits_5_and_says_so_in_the_record(proxied_job: Job, pro
     record = proxied_job.progress()
     assert record["state"] == "failed" and record["storage_denied"].startswith(f"gs://{BUCKET} as ")
     assert proxied_job.committed_steps() == []
+
+
+@pytest.mark.slow  # two processes compile without the cache: about 2.5 min here
+@pytest.mark.timeout(400)
+def test_two_processes_agree_to_quarantine_a_step_damaged_for_one_of_them(job: Job) -> None:
+    args = ["--steps", "6", "--batch-size", "8", "--seq-len", "32"]
+    assert job.start(args, EVERY_2, processes=2, slices=2).wait(200) == [0, 0]
+    assert job.committed_steps() == [2, 4, 6]
+    # Only process 1's own store of step 6 loses its largest data file.
+    store = f"{job.prefix}/checkpoints/6/default/ocdbt.process_1/d/"
+    victim = max(job.gcs.list_objects(BUCKET, store), key=lambda name: len(job.gcs.download(BUCKET, name)))
+    job.gcs.delete_object(BUCKET, victim)
+    damaged = _bytes(job, "checkpoints/6")
+
+    resumed = job.start(["--steps", "7", "--batch-size", "8", "--seq-len", "32"], processes=2, slices=2)
+    assert resumed.wait(200) == [0, 0], resumed.output(0) + resumed.output(1)
+    record = job.progress()
+    assert (record["restored_step"], [f["step"] for f in record["restore_failures"]]) == (4, [6])
+    assert record["quarantined"] == [{"step": 6, "path": f"{job.run_dir}/quarantine/6"}]
+    assert _bytes(job, "quarantine/6") == damaged
+    assert job.committed_steps()[-1] == 7

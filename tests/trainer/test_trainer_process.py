@@ -70,9 +70,10 @@ def test_restart_restores_latest_committed_never_a_partial_step(job: Job) -> Non
     assert pinned_missing.wait(60) == [2]
     assert "TPUJOB_RESUME_STEP=50: no committed checkpoint at or after it" in pinned_missing.output()
 
-    pinned = job.start(["--steps", "13", "--batch-size", "4", "--seq-len", "32"], {"TPUJOB_RESUME_STEP": "12"})
+    latest = job.committed_steps()[-1]  # 14: the resume above went on from 12
+    pinned = job.start(["--steps", str(latest), "--batch-size", "4", "--seq-len", "32"], {"TPUJOB_RESUME_STEP": "12"})
     assert pinned.wait(150) == [0], pinned.output()
-    assert "resume: restoring step 12 (pinned by TPUJOB_RESUME_STEP)" in pinned.output()
+    assert f"resume: restoring step {latest} (newest committed, at or after TPUJOB_RESUME_STEP=12)" in pinned.output()
 
 
 @pytest.mark.timeout(240)
