@@ -144,6 +144,8 @@ def test_damaged_entries_cost_a_recompile_and_are_replaced(job: Job) -> None:
     out = damaged.output()
     assert re.search(r"compile cache: entry jit_train_step-\w+ is damaged", out), out[-4000:]
     assert "compile cache: wrote jit_train_step" in out  # the fresh compile replaced it
+    # the fresh start set the committed steps aside, bytes kept, instead of deleting them
+    assert f"{job.prefix}/superseded/6/commit_success.txt" in job.gcs.list_objects(BUCKET, f"{job.prefix}/superseded/")
     assert job.gcs.download(BUCKET, step_entry) != whole[: len(whole) // 2]
 
     healed = job.start(args, fresh)
