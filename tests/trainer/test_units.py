@@ -328,3 +328,14 @@ def test_transient_restore_errors_are_retried_never_a_fallback() -> None:
 
     with pytest.raises(checkpointing.StoragePermissionDenied):
         checkpointing.restore_with_fallback(forbidden, [9], lambda: True, lambda: None, quarantine)
+
+
+def test_a_step_moved_aside_keeps_its_bytes_and_a_taken_name_gets_a_suffix(tmp_path: Path) -> None:
+    checkpoints, aside = tmp_path / "run" / "checkpoints", tmp_path / "run" / contract.QUARANTINE_DIR
+    for attempt in range(2):
+        (checkpoints / "5" / "default").mkdir(parents=True)
+        (checkpoints / "5" / "default" / "array").write_bytes(b"bytes of attempt %d" % attempt)
+        where = checkpointing.move_step(str(checkpoints), str(aside), 5, timeout_s=10)
+        assert where == str(aside / ("5" if attempt == 0 else "5.1"))
+        assert (Path(where) / "default" / "array").read_bytes() == b"bytes of attempt %d" % attempt
+        assert not (checkpoints / "5").exists()
