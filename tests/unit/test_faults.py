@@ -268,6 +268,15 @@ def test_the_step_actually_restored_is_recorded_with_an_event():
     fallback = [e for e in actions.events if e.reason == "RestoreFallback"]
     assert fallback and "step 60 (missing object)" in fallback[0].message and "restored step 40" in fallback[0].message
     assert "quarantined step(s) 60 to quarantine/" in fallback[0].message
+    assert status.quarantined_checkpoints == [60]
+
+
+def test_quarantined_steps_stay_named_in_status_across_attempts():
+    tj = training_job(status={"phase": "Running", "attempt": 2, "quarantinedCheckpoints": [60]})
+    progress = _progress(step=95, attempt=2, restored_step=80, resumed_from_step=90, quarantined=(90,))
+    pods = (_scheduled(),)
+    status, _ = reconcile(tj, Observed(now=T0, jobsets=(_jobset(attempt=2, pods=pods),), progress=progress))
+    assert status.quarantined_checkpoints == [60, 90]
 
 
 # --- refused objects, bounded numbers ----------------------------------------------------------------------

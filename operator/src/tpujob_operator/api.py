@@ -869,6 +869,13 @@ class TrainingJobStatus(StatusModel):
     loss: float | None = None
     resumed_from_step: int | None = None
     latest_checkpoint: CheckpointRef | None = None
+    quarantined_checkpoints: list[int] = Field(
+        default_factory=list,
+        description=(
+            "Committed steps whose data a restore found damaged: moved to quarantine/ in the run directory "
+            "(bytes kept), never restored again."
+        ),
+    )
     last_failure: FailureRecord | None = None
     lost_steps: int = Field(default=0, description="Steps lost to failures over the job's life.")
     start_time: str | None = None

@@ -67,6 +67,8 @@ def with_observations(status: TrainingJobStatus, observed: Observed) -> Training
             last_progress_time=rfc3339(progress.updated_at),
             resumed_from_step=restored,
         )
+        if not set(progress.quarantined) <= set(status.quarantined_checkpoints):
+            update["quarantined_checkpoints"] = sorted({*status.quarantined_checkpoints, *progress.quarantined})
         if progress.cadence is not None:
             cadence = progress.cadence
             update["checkpoint_cadence"] = CheckpointCadence(
