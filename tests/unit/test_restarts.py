@@ -75,3 +75,23 @@ def test_a_storage_refusal_is_terminal_and_never_counted():
     assert failure.kind in TERMINAL_KINDS and not counts_against_budget(
         failure.kind, RestartSpec(count_preemptions=True)
     )
+
+
+def test_a_distributed_start_up_failure_is_restarted_quickly_and_never_counted():
+    """Exit 6: process 0 found its JAX coordinator address served by another process (issue 17, item 14)."""
+    from tpujob_operator.restarts import TERMINAL_KINDS
+
+    policy = RestartSpec(backoff_seconds=10, max_backoff_seconds=600)
+    failure = classify_pod(PodFacts("p", 0, "Failed", exit_code=6))
+    assert failure is not None and (failure.kind, failure.reason) == ("StartupFailure", "DistributedStartupFailed")
+    assert failure.kind not in TERMINAL_KINDS and not counts_against_budget(failure.kind, policy)
+    assert backoff(policy, 5, counts_against_budget(failure.kind, policy)).total_seconds() == 10
+
+
+def test_jax_waits_for_peers_as_long_as_the_scheduling_and_start_up_clocks_allow():
+    from tpujob_operator.jobset import DISTRIBUTED_INIT_MARGIN_SECONDS, distributed_init_timeout
+
+    bounded = RestartSpec(scheduling_timeout_seconds=1800, startup_timeout_seconds=3600)
+    assert distributed_init_timeout(bounded) == 1800 + 3600 + DISTRIBUTED_INIT_MARGIN_SECONDS
+    assert distributed_init_timeout(RestartSpec()) == 0  # schedulingTimeoutSeconds 0: capacity is waited for ever
+    assert distributed_init_timeout(RestartSpec(scheduling_timeout_seconds=60, startup_timeout_seconds=0)) == 0

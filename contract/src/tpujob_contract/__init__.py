@@ -48,6 +48,9 @@ class Env:
     CHECKPOINT_MAX_INTERVAL_SECONDS: Final = "TPUJOB_CHECKPOINT_MAX_INTERVAL_SECONDS"
     # the operator's estimate of the job's mean time between failures (seconds), for Young/Daly
     MTBF_SECONDS: Final = "TPUJOB_MTBF_SECONDS"
+    # How long a process waits in JAX's distributed start-up for all its peers: as long as the
+    # operator's scheduling and start-up clocks allow (0: for ever), so that those clocks decide
+    DISTRIBUTED_INIT_TIMEOUT_SECONDS: Final = "TPUJOB_DISTRIBUTED_INIT_TIMEOUT_SECONDS"
 
     @classmethod
     def names(cls) -> tuple[str, ...]:
@@ -141,6 +144,9 @@ class ExitCode(enum.IntEnum):
     STORAGE = 3  # checkpoint storage unreachable for TPUJOB_STORAGE_WAIT_SECONDS at start
     CHECKPOINT_INCOMPATIBLE = 4  # no committed checkpoint could be restored (e.g. a changed model)
     STORAGE_PERMISSION_DENIED = 5  # checkpoint storage answered 401/403: the workers' identity may not use it
+    # JAX's distributed runtime could not start: the coordinator address is another process's (a
+    # stale peer, another job's coordinator on a shared network), or the service failed to start
+    DISTRIBUTED_STARTUP = 6
     PREEMPTED = 143  # 128 + SIGTERM: stopped by SIGTERM, after saving the current step
 
 

@@ -101,6 +101,7 @@ FailureKind = Literal[
     "StorageUnavailable",
     "CheckpointIncompatible",
     "StoragePermissionDenied",
+    "StartupFailure",
     "Unknown",
 ]
 # Which clock a live job is on; each has its own deadline (spec.restart.*TimeoutSeconds).

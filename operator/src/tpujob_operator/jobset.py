@@ -23,6 +23,7 @@ from .api import (
     PRIORITY_CLASS_LABEL,
     QUEUE_LABEL,
     VERSION,
+    RestartSpec,
     TrainingJob,
 )
 from .cadence import job_mtbf
@@ -110,8 +111,22 @@ def trainer_env(tj: TrainingJob, attempt: int, resume_step: int | None, js_name:
         _env(env.CHECKPOINT_KEEP_LATEST, ckpt.keep.latest),
         _env(env.CHECKPOINT_KEEP_EVERY_STEPS, ckpt.keep.every_steps or 0),
         _env(env.CHECKPOINT_SAVE_ON_PREEMPTION, ckpt.save_on_preemption),
+        _env(env.DISTRIBUTED_INIT_TIMEOUT_SECONDS, distributed_init_timeout(tj.spec.restart)),
         *_adaptive_env(tj),
     ]
+
+
+# Beyond the operator's own clocks, so that they decide a slow start, never JAX.
+DISTRIBUTED_INIT_MARGIN_SECONDS = 300
+
+
+def distributed_init_timeout(policy: RestartSpec) -> int:
+    """How long a worker waits in JAX's start-up for every peer: a slice placed early waits for the
+    others through the whole scheduling stage, then the start-up stage (spec.restart). 0 (for ever)
+    when either clock never ends; JAX's own 300 s would end a wait the job allows (issue 17, item 14)."""
+    if policy.scheduling_timeout_seconds == 0 or policy.startup_timeout_seconds == 0:
+        return 0
+    return policy.scheduling_timeout_seconds + policy.startup_timeout_seconds + DISTRIBUTED_INIT_MARGIN_SECONDS
 
 
 def _adaptive_env(tj: TrainingJob) -> list[dict[str, str]]:

@@ -27,12 +27,17 @@ _NAMED_EXITS: dict[int, tuple[FailureKind, str, str]] = {
         "StoragePermissionDenied",
         "was refused by checkpoint storage (exit 5: 401/403)",
     ),
+    ExitCode.DISTRIBUTED_STARTUP: (
+        "StartupFailure",
+        "DistributedStartupFailed",
+        "could not start JAX's distributed runtime (exit 6: its coordinator address is another process's)",
+    ),
 }
 # Kinds that no restart can fix: the job fails at once, without spending the budget.
 TERMINAL_KINDS: frozenset[FailureKind] = frozenset({"CheckpointIncompatible", "StoragePermissionDenied"})
 # Kinds that are not the job's fault and never count against maxRestarts.
 _NEVER_COUNTED: frozenset[FailureKind] = frozenset(
-    {"StorageUnavailable", "CheckpointIncompatible", "StoragePermissionDenied"}
+    {"StorageUnavailable", "CheckpointIncompatible", "StoragePermissionDenied", "StartupFailure"}
 )
 # DisruptionTarget reasons (pod condition set by Kubernetes) and what they mean for a TPU slice.
 _INFRASTRUCTURE_DISRUPTIONS: dict[str, FailureKind] = {

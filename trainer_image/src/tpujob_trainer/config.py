@@ -88,12 +88,21 @@ class CheckpointConfig:
     mtbf_seconds: float | None = None
 
 
+# JAX's own default wait for every peer at start-up (jax.distributed.initialize): what a process
+# waits without the operator's word (local runs, an older operator).
+DEFAULT_DISTRIBUTED_INIT_TIMEOUT_SECONDS = 300
+# "0: for ever" as JAX takes it (whole seconds, a C int): 30 days, far past any clock of the operator.
+FOREVER_SECONDS = 30 * 24 * 3600
+
+
 @dataclasses.dataclass(frozen=True)
 class Topology:
     coordinator_address: str | None
     process_id: int
     num_processes: int
     num_slices: int
+    # How long JAX's start-up waits for all peers (Env.DISTRIBUTED_INIT_TIMEOUT_SECONDS)
+    init_timeout_seconds: int = DEFAULT_DISTRIBUTED_INIT_TIMEOUT_SECONDS
 
 
 @dataclasses.dataclass(frozen=True)
@@ -270,7 +279,9 @@ def topology_from_env(env: Mapping[str, str]) -> Topology:
     _require(num_processes % num_slices == 0, f"{num_processes} processes do not divide into {num_slices} slices")
     coordinator = env.get(Env.COORDINATOR_ADDRESS, "").strip() or None
     _require(num_processes == 1 or coordinator is not None, "TPUJOB_COORDINATOR_ADDRESS is required with >1 process")
-    return Topology(coordinator, process_id, num_processes, num_slices)
+    wait = _int(env, Env.DISTRIBUTED_INIT_TIMEOUT_SECONDS, DEFAULT_DISTRIBUTED_INIT_TIMEOUT_SECONDS)
+    _require(wait >= 0, f"{Env.DISTRIBUTED_INIT_TIMEOUT_SECONDS}={wait} must be >= 0 (0: for ever)")
+    return Topology(coordinator, process_id, num_processes, num_slices, min(wait or FOREVER_SECONDS, FOREVER_SECONDS))
 
 
 def parse_config(argv: Sequence[str], env: Mapping[str, str]) -> Config:

@@ -6,6 +6,7 @@ Exit codes (the operator classifies failures by them):
   3    checkpoint storage unreachable or unwritable at start, after waiting TPUJOB_STORAGE_WAIT_SECONDS;
   4    no committed checkpoint could be restored (another --model, or all damaged); nothing deleted;
   5    checkpoint storage refused this job's identity (401/403: probe, restore or save);
+  6    JAX's distributed runtime could not start (the coordinator address is another process's);
   2    bad configuration;
   1    anything else (including a final save that still failed after its retries).
 """
@@ -49,22 +50,56 @@ def _scalar(x: jax.Array) -> float:
     return float(x.addressable_data(0))
 
 
+class DistributedStartupError(RuntimeError):
+    """JAX's distributed runtime could not start here (exit 6): not the job's failure."""
+
+
 def _init_distributed(cfg: Config) -> bool:
     # Gloo gives CPU processes cross-process collectives (tests, local runs); TPUs ignore it.
     jax.config.update("jax_cpu_collectives_implementation", "gloo")  # type: ignore[no-untyped-call]
     topo = cfg.topology
     if topo.num_processes == 1:
         return False
-    jax.distributed.initialize(
-        coordinator_address=topo.coordinator_address,
-        num_processes=topo.num_processes,
-        process_id=topo.process_id,
-        coordinator_bind_address=_own_bind_address(topo.coordinator_address),
-        # The operator's env says everything: no cluster auto-detection. JAX's Kubernetes detection
-        # (when the `kubernetes` package is importable) needs an API token, which workers do not mount.
-        cluster_detection_method="deactivate",
-    )
+    assert topo.coordinator_address  # config.topology_from_env requires it with >1 process
+    bind = _own_bind_address(topo.coordinator_address)
+    if topo.process_id == 0:
+        _check_coordinator_address_free(bind or f"[::]:{topo.coordinator_address.rpartition(':')[2]}")
+    try:
+        jax.distributed.initialize(
+            coordinator_address=topo.coordinator_address,
+            num_processes=topo.num_processes,
+            process_id=topo.process_id,
+            coordinator_bind_address=bind,
+            # The operator's env says everything: no cluster auto-detection. JAX's Kubernetes detection
+            # (when the `kubernetes` package is importable) needs an API token, which workers do not mount.
+            cluster_detection_method="deactivate",
+            # Wait for peers as long as the operator's scheduling and start-up clocks allow: those
+            # clocks decide a slow start (a slice that waits for capacity), not JAX's 300 s default.
+            initialization_timeout=topo.init_timeout_seconds,
+        )
+    except Exception as err:  # e.g. the service could not bind; JAX's own fatal errors end the process
+        raise DistributedStartupError(f"JAX distributed runtime did not start: {progress.short_error(err)}") from err
     return True
+
+
+def _check_coordinator_address_free(bind_address: str) -> None:
+    """Process 0 is about to serve the coordinator at `bind_address`. gRPC listens with SO_REUSEPORT:
+    if another process (a stale peer, another job's coordinator on a shared network) already serves
+    it, JAX would bind it too without a word and the kernel would deal connections between the two
+    services, each killing the other's job on a foreign registration. A bind without SO_REUSEPORT
+    fails on any live listener there (SO_REUSEADDR: a closed socket's TIME_WAIT does not)."""
+    host, _, port = bind_address.rpartition(":")
+    host = host.strip("[]")
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind((host, int(port)))
+        except OSError as err:
+            raise DistributedStartupError(
+                f"the coordinator address {bind_address} is already served by another process ({err.strerror}); "
+                "not starting JAX there"
+            ) from err
 
 
 def _own_bind_address(coordinator_address: str | None) -> str | None:
@@ -466,6 +501,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except StorageError as err:
         log.error("checkpoint storage unusable at start: %s", err)
         return ExitCode.STORAGE
+    except DistributedStartupError as err:
+        log.error("%s (exit 6: the attempt is restarted, not counted)", err)
+        return ExitCode.DISTRIBUTED_STARTUP
     except StoragePermissionDenied as err:
         log.error("checkpoint storage refused this job's identity: %s", err)
         return ExitCode.STORAGE_PERMISSION_DENIED
