@@ -10,8 +10,11 @@ from __future__ import annotations
 
 import ipaddress
 import socket
+from pathlib import Path
 
-from tpujob_devcluster.podrunner import AddressPool
+from tpujob_devcluster.podrunner import REPO_ROOT, AddressPool, PodRunner
+
+IMAGES = REPO_ROOT / "devcluster" / "images.yaml"
 
 
 def test_two_devclusters_never_hand_out_the_same_address():
@@ -41,3 +44,25 @@ def test_an_address_a_live_process_still_holds_is_skipped():
         assert ipaddress.IPv4Address(following) > taken
     finally:
         getattr(pool, "close", lambda: None)()
+
+
+def test_hosts_files_name_only_running_pods(tmp_path: Path):
+    """An earlier runner's hosts files are gone when a runner starts (their addresses may be another
+    pod's now), and a pod that ended leaves its subdomain's hosts file."""
+    stale = tmp_path / "hosts" / "default_job-a0"
+    stale.parent.mkdir()
+    stale.write_text("127.0.0.1 localhost\n127.1.0.9 job-a0-slice-0-0.job-a0\n")
+    runner = PodRunner(tmp_path, IMAGES, {}, api_port=1, cpu_devices_per_pod=1)
+    try:
+        assert not stale.exists()
+        hosts = runner._hosts_path("default", "job-a0", "job-a0-slice-0-0-x")
+        first, second = runner.addresses.take(), runner.addresses.take()
+        runner._add_host(hosts, first, ["job-a0-slice-0-0.job-a0.default.svc.cluster.local", "job-a0-slice-0-0.job-a0"])
+        runner._add_host(
+            hosts, second, ["job-a0-slice-0-1.job-a0.default.svc.cluster.local", "job-a0-slice-0-1.job-a0"]
+        )
+        runner._remove_host(hosts, first)
+        lines = hosts.read_text().splitlines()
+        assert lines[0] == "127.0.0.1 localhost" and len(lines) == 2 and lines[1].startswith(f"{second} ")
+    finally:
+        runner.addresses.close()

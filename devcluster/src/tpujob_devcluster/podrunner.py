@@ -154,7 +154,9 @@ class RunningPod:
 # connections between the two JAX coordinators: one job's workers register at the other's (issue 17,
 # item 14). Each pod runner therefore claims a /16 of its own for as long as it runs.
 ADDRESS_LOCKS = Path(tempfile.gettempdir()) / "tpujob-loopback-blocks"
-_BLOCKS = range(1, 255)  # 127.<block>.0.0/16; 127.0.0.0/16 stays the host's
+# 127.<block>.0.0/16: 127.0.0.0/16 stays the host's, and 127.1.0.0/16 is what every pod runner
+# before these blocks handed out (one may still run on this machine).
+_BLOCKS = range(2, 255)
 
 
 def addresses_in_use() -> set[str]:
