@@ -10,6 +10,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import IO, Any
 
@@ -106,20 +107,29 @@ class Job:
             **overrides,
         }
 
-    def start(self, args: list[str], env: dict[str, str] | None = None, processes: int = 1, slices: int = 1) -> Attempt:
-        """Launch one attempt: `processes` trainer processes laid out as `slices` equal slices."""
+    def start(
+        self,
+        args: list[str],
+        env: dict[str, str] | None = None,
+        processes: int = 1,
+        slices: int = 1,
+        coordinator: str | None = None,
+        only: Sequence[int] | None = None,
+    ) -> Attempt:
+        """Launch one attempt: `processes` trainer processes laid out as `slices` equal slices, serving
+        or dialing `coordinator` (default: a free loopback port); `only` starts just those processes."""
         common = self.env(**(env or {}))
         hosts_per_slice = processes // slices
         if processes > 1:
             common |= {
-                "TPUJOB_COORDINATOR_ADDRESS": f"127.0.0.1:{free_port()}",
+                "TPUJOB_COORDINATOR_ADDRESS": coordinator or f"127.0.0.1:{free_port()}",
                 "TPUJOB_NUM_SLICES": str(slices),
                 "TPUJOB_HOSTS_PER_SLICE": str(hosts_per_slice),
             }
         procs: list[subprocess.Popen[bytes]] = []
         logs: list[Path] = []
         files: list[IO[bytes]] = []
-        for index in range(processes):
+        for index in range(processes) if only is None else only:
             log = self.log_dir / f"attempt{len(self.attempts)}-process{index}.log"
             out = log.open("wb")
             procs.append(

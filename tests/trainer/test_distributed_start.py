@@ -13,11 +13,7 @@ processes, real JAX coordinators on loopback.
 
 from __future__ import annotations
 
-import subprocess
-import sys
 import time
-from pathlib import Path
-from typing import IO
 
 import pytest
 from tpujob_contract import Env, ExitCode
@@ -36,35 +32,7 @@ SHAPE = ["--batch-size", "4", "--seq-len", "32"]
 
 def _launch(job: Job, args: list[str], coordinator: str, indexes: list[int], **env: str) -> Attempt:
     """Processes `indexes` of a 2-process, 1-slice attempt of `job` whose coordinator is `coordinator`."""
-    common = job.env(
-        **{
-            Env.COORDINATOR_ADDRESS: coordinator,
-            Env.NUM_SLICES: "1",
-            Env.HOSTS_PER_SLICE: "2",
-            Env.SLICE_ID: "0",
-            **env,
-        }
-    )
-    procs: list[subprocess.Popen[bytes]] = []
-    logs: list[Path] = []
-    files: list[IO[bytes]] = []
-    for index in indexes:
-        log = job.log_dir / f"{job.name}-process{index}.log"
-        out = log.open("wb")
-        procs.append(
-            subprocess.Popen(
-                [sys.executable, "-m", "tpujob_trainer", *args],
-                env={**common, "JOB_COMPLETION_INDEX": str(index)},
-                stdout=out,
-                stderr=subprocess.STDOUT,
-                stdin=subprocess.DEVNULL,
-            )
-        )
-        logs.append(log)
-        files.append(out)
-    attempt = Attempt(procs, logs, files)
-    job.attempts.append(attempt)
-    return attempt
+    return job.start(args, env, processes=2, coordinator=coordinator, only=indexes)
 
 
 @pytest.mark.timeout(420)
@@ -74,7 +42,8 @@ def test_a_coordinator_address_another_job_serves_is_refused_and_the_other_job_t
     running.wait_until(lambda: "resume: " in running.output(0), timeout=180)  # past JAX's start-up
     # Another job's coordinator handed the same address (two devclusters' pods before the pod runner's
     # fix; a stale peer): its process 0 starts while the first job trains.
-    other = Job(gcs=job.gcs, base_env=job.base_env, log_dir=job.log_dir, name=f"{job.name}-other")
+    (job.log_dir / "other").mkdir()
+    other = Job(gcs=job.gcs, base_env=job.base_env, log_dir=job.log_dir / "other", name=f"{job.name}-other")
     try:
         intruder = _launch(other, ["--steps", "5", *SHAPE], address, [0])
         # Before: it bound the address too (SO_REUSEPORT) and either waited for its peer for 300 s or
