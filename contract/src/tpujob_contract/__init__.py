@@ -58,6 +58,12 @@ class Env:
         return tuple(v for k, v in vars(cls).items() if k.isupper() and isinstance(v, str))
 
 
+# The tpujob trainer's length of training: its --steps flag, else this variable (which users may set in
+# spec.env), else the default. The operator reads the same to know a run's final step.
+STEPS_ENV: Final = "TPUJOB_STEPS"
+DEFAULT_STEPS: Final = 100
+
+
 @dataclass(frozen=True)
 class Resume:
     """Where an attempt starts: exactly a committed step, the latest committed step, or step 0."""

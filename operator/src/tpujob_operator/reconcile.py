@@ -15,7 +15,7 @@ from __future__ import annotations
 import dataclasses
 from datetime import datetime
 
-from tpujob_contract import ExitCode
+from tpujob_contract import DEFAULT_STEPS, STEPS_ENV, ExitCode
 
 from . import goodput, maxtext
 from .api import (
@@ -348,8 +348,6 @@ def _with_later_resume_point(status: TrainingJobStatus, latest: int | None) -> N
     status.last_failure = failure.model_copy(update={"resume_step": latest, "lost_steps": lost})
 
 
-# The tpujob trainer's --steps when neither its args nor TPUJOB_STEPS set it (trainer_image config.py).
-TRAINER_DEFAULT_STEPS = 100
 _TRAINER_STEPS_FLAG = "--steps"
 
 
@@ -361,8 +359,8 @@ def final_step(tj: TrainingJob) -> int | None:
         return maxtext.final_step(tj.spec.args or [])
     args, value = list(tj.spec.args or []), None
     env = {e.name: e for e in tj.spec.env or []}
-    if "TPUJOB_STEPS" in env:
-        value = env["TPUJOB_STEPS"].value  # None: from a source the operator cannot read
+    if STEPS_ENV in env:
+        value = env[STEPS_ENV].value  # None: from a source the operator cannot read
         if value is None:
             return None
     for i, arg in enumerate(args):
@@ -370,7 +368,7 @@ def final_step(tj: TrainingJob) -> int | None:
         if len(flag) >= 4 and _TRAINER_STEPS_FLAG.startswith(flag):
             value = inline if equals else (args[i + 1] if i + 1 < len(args) else None)
     try:
-        return int(value) if value is not None else TRAINER_DEFAULT_STEPS
+        return int(value) if value is not None else DEFAULT_STEPS
     except ValueError:
         return None
 

@@ -14,7 +14,7 @@ import math
 from collections.abc import Mapping, Sequence
 from typing import Literal
 
-from tpujob_contract import Env, Resume
+from tpujob_contract import DEFAULT_STEPS, STEPS_ENV, Env, Resume
 
 
 class ConfigError(ValueError):
@@ -197,7 +197,7 @@ class _Parser(argparse.ArgumentParser):
 def _flag_parser(env: Mapping[str, str]) -> argparse.ArgumentParser:
     p = _Parser(prog="tpujob-train", description="JAX LM trainer run by tpujob (see README.md).")
     p.add_argument("--model", default=env.get("TPUJOB_MODEL", "tiny"), help=f"one of {sorted(MODELS)}")
-    p.add_argument("--steps", type=int, default=_int(env, "TPUJOB_STEPS", 100))
+    p.add_argument("--steps", type=int, default=_int(env, STEPS_ENV, DEFAULT_STEPS))
     p.add_argument("--batch-size", type=int, default=_int(env, "TPUJOB_BATCH_SIZE", 8))
     p.add_argument("--seq-len", type=int, default=_int(env, "TPUJOB_SEQ_LEN", 64))
     p.add_argument("--seed", type=int, default=_int(env, "TPUJOB_SEED", 0))
