@@ -156,6 +156,11 @@ class ExitCode(enum.IntEnum):
     PREEMPTED = 143  # 128 + SIGTERM: stopped by SIGTERM, after saving the current step
 
 
+# How the trainer's termination message starts when it exits STORAGE_PERMISSION_DENIED; the rest is
+# "<bucket> as <identity>: <error>", quoted by the operator in the failure's message.
+STORAGE_DENIED_PREFIX: Final = "StoragePermissionDenied: "
+
+
 # --- the progress record -----------------------------------------------------------------------------
 
 State = Literal["starting", "running", "succeeded", "preempted", "failed", "incompatible"]

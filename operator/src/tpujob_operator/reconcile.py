@@ -15,7 +15,7 @@ from __future__ import annotations
 import dataclasses
 from datetime import datetime
 
-from tpujob_contract import DEFAULT_STEPS, STEPS_ENV, ExitCode
+from tpujob_contract import DEFAULT_STEPS, STEPS_ENV, STORAGE_DENIED_PREFIX, ExitCode
 
 from . import goodput, maxtext
 from .api import (
@@ -618,7 +618,7 @@ def _after_failure(
             message = (
                 f"checkpoint storage unreachable from the workers in every attempt since {rfc3339(since)}, more "
                 f"than {STORAGE_OUTAGE_LIMIT_SECONDS} s: {failure.message}; check that gs://"
-                f"{tj.spec.checkpoint.directory.removeprefix('gs://').partition('/')[0]} is reachable from the "
+                f"{_bucket(tj)} is reachable from the "
                 "nodes, then re-create the job"
             )
             actions.events.append(Event("Warning", STORAGE_OUTAGE_REASON, message))
@@ -667,17 +667,18 @@ def _after_failure(
     return _staged(status, "BackingOff", now), actions
 
 
-_DENIED_PREFIX = "StoragePermissionDenied: "  # how the trainer's termination message starts (exit 5)
+def _bucket(tj: TrainingJob) -> str:
+    return tj.spec.checkpoint.directory.removeprefix("gs://").partition("/")[0]
 
 
 def _permission_advice(tj: TrainingJob, current: JobSetFacts) -> str:
     """Which bucket refused whom, and what fixes it (no restart does); with the trainer's own word when
     its termination message gives it (the bucket, the GCP identity it ran as, the error)."""
-    bucket = tj.spec.checkpoint.directory.removeprefix("gs://").partition("/")[0]
+    bucket = _bucket(tj)
     account = tj.spec.service_account_name or "default"
     denied = ExitCode.STORAGE_PERMISSION_DENIED
     said = next((p.termination_message for p in current.pods if p.termination_message and p.exit_code == denied), None)
-    trainer = f" (the trainer: {said.removeprefix(_DENIED_PREFIX)[:400]})" if said else ""
+    trainer = f" (the trainer: {said.removeprefix(STORAGE_DENIED_PREFIX)[:400]})" if said else ""
     return (
         f"the workers' identity (ServiceAccount {tj.namespace}/{account}, through Workload Identity its GCP "
         f"service account) may not use bucket gs://{bucket}{trainer}: grant it roles/storage.objectUser on the "

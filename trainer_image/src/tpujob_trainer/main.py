@@ -467,7 +467,7 @@ def _denied(cfg: Config, err: StoragePermissionDenied, status: _Status) -> None:
     if os.path.exists(path):
         try:
             with open(path, "w") as out:
-                out.write(f"StoragePermissionDenied: {status.storage_denied}"[:4096])
+                out.write(f"{contract.STORAGE_DENIED_PREFIX}{status.storage_denied}"[:4096])
         except OSError:
             pass
 
