@@ -246,8 +246,14 @@ def test_a_person_bound_to_the_charts_role_gets_only_what_the_admin_allowed(
             ),
         )
     )
-    answer: Any = client.AuthorizationV1Api(kube).create_subject_access_review(review)
-    assert answer.status.allowed, answer.status  # RBAC allows it: any refusal below is the policy's
+
+    def rbac_allows() -> bool:
+        answer: Any = client.AuthorizationV1Api(kube).create_subject_access_review(review)
+        return bool(answer.status.allowed)
+
+    # The apiserver's RBAC authorizer reads bindings from an informer: a new one is seen a moment later.
+    # Any refusal below is then the policy's, not RBAC's.
+    eventually(rbac_allows, what="RBAC to allow alice to create TrainingJobs")
     alice = config.new_client_from_config(str(control_plane.kubeconfig))
     alice.set_default_header("Impersonate-User", "alice")
     as_pods_account = training_job_manifest(f"{unique_name}-sa", serviceAccountName="ci-deployer", checkpoint=_IN)
