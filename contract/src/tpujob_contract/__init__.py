@@ -4,7 +4,10 @@
 - the run directory's layout: `<directory>/<namespace>/<name>/{checkpoints/<step>/, progress.json}`
   and the commit rule (a step is committed once Orbax wrote its marker);
 - the progress record the trainer writes and the operator reads (`ProgressRecord`, JSON codec);
-- the trainer's exit codes, which the operator classifies failures by (`ExitCode`).
+- the trainer's exit codes, which the operator classifies failures by (`ExitCode`);
+- the values both sides and the tooling (devcluster, benches, tests) share: the checkpoint policy
+  vocabulary and its defaults, the API groups/versions, the label and annotation keys, the TPU
+  resource name.
 
 Nothing here may import anything outside the standard library: it ships in both images.
 """
@@ -17,7 +20,7 @@ import json
 import re
 from dataclasses import dataclass
 from datetime import UTC, datetime
-from typing import Any, Final, Literal
+from typing import Any, Final, Literal, get_args
 
 
 class Env:
@@ -95,6 +98,55 @@ class Resume:
 
 LATEST: Final = Resume("latest")
 FRESH: Final = Resume("fresh")
+
+# --- values both sides and the tooling share --------------------------------------------------------
+
+# The checkpoint policies (spec.checkpoint.policy, TPUJOB_CHECKPOINT_POLICY) and the defaults of the
+# checkpoint settings: the CRD's defaults, and what the trainer takes when a variable is absent.
+CheckpointPolicy = Literal["continuous", "interval", "adaptive"]
+CHECKPOINT_POLICIES: Final[tuple[CheckpointPolicy, ...]] = get_args(CheckpointPolicy)
+DEFAULT_CHECKPOINT_POLICY: Final[CheckpointPolicy] = "continuous"
+DEFAULT_MIN_INTERVAL_SECONDS: Final = 0  # back to back (an int: the CRD shows `default: 0`)
+DEFAULT_INTERVAL_STEPS: Final = 100  # policy "interval" without TPUJOB_CHECKPOINT_INTERVAL_STEPS (local runs)
+DEFAULT_ASYNC_SAVE: Final = True
+DEFAULT_KEEP_LATEST: Final = 3
+DEFAULT_KEEP_EVERY_STEPS: Final = 0  # 0: none kept for ever
+DEFAULT_SAVE_ON_PREEMPTION: Final = True
+DEFAULT_OVERHEAD_BUDGET_PERCENT: Final = 5.0  # policy "adaptive"
+
+# API groups, versions and plurals: the TrainingJob's own, and those of the JobSets and Kueue
+# Workloads the operator creates and reads.
+TRAININGJOB_GROUP: Final = "tpujob.dev"
+TRAININGJOB_VERSION: Final = "v1alpha1"
+TRAININGJOB_KIND: Final = "TrainingJob"
+TRAININGJOB_PLURAL: Final = "trainingjobs"
+JOBSET_GROUP: Final = "jobset.x-k8s.io"
+JOBSET_VERSION: Final = "v1alpha2"
+JOBSET_PLURAL: Final = "jobsets"
+KUEUE_GROUP: Final = "kueue.x-k8s.io"
+KUEUE_VERSION: Final = "v1beta2"
+
+# The operator's labels and annotations on its JobSets and their pods.
+LABEL_NAME: Final = f"{TRAININGJOB_GROUP}/name"
+LABEL_ATTEMPT: Final = f"{TRAININGJOB_GROUP}/attempt"
+LABEL_UID: Final = f"{TRAININGJOB_GROUP}/uid"  # the incarnation: a same-name successor never adopts what it labels
+ANNOTATION_RESUME_STEP: Final = f"{TRAININGJOB_GROUP}/resume-step"
+# "true" while the operator holds the JobSet suspended for spec.suspend; a suspension without it is
+# someone else's (a queueing system's), which the operator never lifts.
+ANNOTATION_SUSPENDED: Final = f"{TRAININGJOB_GROUP}/suspended"
+# Kueue's labels: the LocalQueue a workload waits in, its WorkloadPriorityClass, and the uid of the
+# job (here: the JobSet) a Workload stands for.
+QUEUE_LABEL: Final = f"{KUEUE_GROUP}/queue-name"
+PRIORITY_CLASS_LABEL: Final = f"{KUEUE_GROUP}/priority-class"
+KUEUE_JOB_UID_LABEL: Final = f"{KUEUE_GROUP}/job-uid"
+# JobSet's: the JobSet a Job or pod belongs to, and which of its child Jobs (here: the slice) it is.
+JOBSET_NAME_LABEL: Final = "jobset.sigs.k8s.io/jobset-name"
+JOB_INDEX_ANNOTATION: Final = "jobset.sigs.k8s.io/job-index"
+# GKE's: the node pool and the TPU slice shape on every TPU node, and the TPU chips resource.
+NODE_POOL_LABEL: Final = "cloud.google.com/gke-nodepool"
+ACCELERATOR_LABEL: Final = "cloud.google.com/gke-tpu-accelerator"
+TOPOLOGY_LABEL: Final = "cloud.google.com/gke-tpu-topology"
+TPU_RESOURCE: Final = "google.com/tpu"
 
 # --- the run directory -------------------------------------------------------------------------------
 
