@@ -1,10 +1,18 @@
-"""Small builders of TrainingJob objects for the pure-function tests."""
+"""Small builders of TrainingJob objects and progress records for the pure-function tests."""
 
 from __future__ import annotations
 
+from datetime import datetime
 from typing import Any
 
+import tpujob_contract as contract
 from tpujob_operator.api import TrainingJob
+
+
+def progress_record(**fields: Any) -> contract.ProgressRecord:
+    """The trainer's record, its times given as the tests' datetimes (the record holds RFC 3339 strings)."""
+    times = {name: contract.format_time(value) for name, value in fields.items() if isinstance(value, datetime)}
+    return contract.ProgressRecord(**{**fields, **times})
 
 
 def training_job(

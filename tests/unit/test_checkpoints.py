@@ -1,5 +1,6 @@
 import pytest
-from tpujob_operator.checkpoints import parse_progress, split_gs_path, step_candidates
+import tpujob_contract as contract
+from tpujob_operator.checkpoints import split_gs_path, step_candidates
 
 
 def test_only_digit_step_directories_are_candidates_newest_first():
@@ -17,8 +18,8 @@ def test_split_gs_path(path, bucket, prefix):
 
 
 def test_progress_record_parses():
-    record = parse_progress(b'{"step": 12, "attempt": 1, "updated_at": "2026-11-30T12:00:00Z", "loss": 2.5}')
-    assert (record.step, record.attempt, record.loss, record.updated_at.tzinfo is not None) == (12, 1, 2.5, True)
+    record = contract.from_json(b'{"step": 12, "attempt": 1, "updated_at": "2026-11-30T12:00:00Z", "loss": 2.5}')
+    assert (record.step, record.attempt, record.loss, record.updated.tzinfo is not None) == (12, 1, 2.5, True)
 
 
 @pytest.fixture

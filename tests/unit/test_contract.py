@@ -3,6 +3,7 @@ and what the trainer writes is what the operator reads."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from datetime import UTC, datetime
 from pathlib import Path
@@ -12,9 +13,10 @@ import pytest
 import tpujob_contract as contract
 from hypothesis import given
 from hypothesis import strategies as st
-from tpujob_operator.api import OPERATOR_ENV_NAMES, OPERATOR_ENV_PREFIXES
-from tpujob_operator.checkpoints import parse_progress
-from tpujob_operator.jobset import JOB_INDEX_ANNOTATION, build_jobset
+from tpujob_operator.api import OPERATOR_ENV_NAMES, OPERATOR_ENV_PREFIXES, TrainingJobStatus
+from tpujob_operator.facts import Observed
+from tpujob_operator.jobset import build_jobset
+from tpujob_operator.status import with_observations
 from tpujob_trainer.config import parse_config
 from tpujob_trainer.progress import ProgressWriter
 
@@ -24,15 +26,15 @@ from .factories import training_job
 def _pod_env(manifest: dict[str, Any], slice_index: int, completion_index: int) -> dict[str, str]:
     """The container env as kubelet resolves it for one pod (downward API and the Job's index)."""
     pod = manifest["spec"]["replicatedJobs"][0]["template"]["spec"]["template"]
-    annotations = {JOB_INDEX_ANNOTATION: str(slice_index)}
+    annotations = {contract.JOB_INDEX_ANNOTATION: str(slice_index)}
     env = {"JOB_COMPLETION_INDEX": str(completion_index)}
     for entry in pod["spec"]["containers"][0]["env"]:
         if "value" in entry:
             env[entry["name"]] = entry["value"]
         else:
             path = entry["valueFrom"]["fieldRef"]["fieldPath"]
-            assert path == f"metadata.annotations['{JOB_INDEX_ANNOTATION}']"
-            env[entry["name"]] = annotations[JOB_INDEX_ANNOTATION]
+            assert path == f"metadata.annotations['{contract.JOB_INDEX_ANNOTATION}']"
+            env[entry["name"]] = annotations[contract.JOB_INDEX_ANNOTATION]
     return env
 
 
@@ -79,13 +81,13 @@ def test_the_operator_reads_what_the_trainer_writes(tmp_path: Path):
     writer.saved(125)
     writer.close(record)
     written = Path(contract.progress_path(str(tmp_path))).read_bytes()
-    progress = parse_progress(written)
-    assert (progress.step, progress.attempt, progress.uid, progress.loss) == (130, 2, "0000-1111", 2.5)
-    assert progress.last_committed_step == 125  # the writer checked the commit rule
-    assert (progress.restored_step, progress.restore_failures[0].step) == (100, 120)
-    assert progress.restore_started_at == datetime(2026, 11, 30, 12, 0, 3, tzinfo=UTC)
-    assert progress.first_step_at == datetime(2026, 11, 30, 12, 0, 21, tzinfo=UTC)
-    assert progress.save_blocking_seconds == 1.25
+    progress = contract.from_json(written)
+    assert progress == dataclasses.replace(record, last_committed_step=125)  # the writer checked the commit rule
+    assert contract.parse_time(progress.restore_started_at) == datetime(2026, 11, 30, 12, 0, 3, tzinfo=UTC)
+    # and the operator shows it: the current attempt's step, loss and failed saves
+    shown = with_observations(TrainingJobStatus(attempt=2), Observed(now=progress.updated, progress=progress))
+    assert (shown.step, shown.loss, shown.resumed_from_step) == (130, 2.5, 100)
+    assert shown.model_dump(by_alias=True, exclude_none=True)["saveFailures"] == 1
 
 
 def test_the_trainer_parses_the_adaptive_policy_the_operator_sets():
@@ -106,18 +108,22 @@ def test_the_operator_reads_the_adaptive_cadence_the_trainer_reports():
         checkpoint_interval_bound="young_daly", save_cost_seconds=0.4, checkpoint_overhead_percent=3.2,
         mtbf_seconds=21600.0,
     )  # fmt: skip
-    cadence = parse_progress(contract.to_json(record).encode()).cadence
+    def shown(written: contract.ProgressRecord) -> TrainingJobStatus:
+        read = contract.from_json(contract.to_json(written).encode())
+        return with_observations(TrainingJobStatus(), Observed(now=read.updated, progress=read))
+
+    cadence = shown(record).checkpoint_cadence
     assert cadence is not None
     assert (cadence.interval_seconds, cadence.bound, cadence.save_cost_seconds) == (12.5, "young_daly", 0.4)
     assert (cadence.overhead_percent, cadence.mtbf_seconds) == (3.2, 21600.0)
     plain = contract.ProgressRecord(step=10, attempt=0, updated_at=contract.now_rfc3339())
-    assert parse_progress(contract.to_json(plain).encode()).cadence is None
+    assert shown(plain).checkpoint_cadence is None
 
 
 def test_a_record_of_an_older_trainer_is_still_read():
     old = {"step": 7, "attempt": 1, "updated_at": "2026-11-30T12:00:00Z", "resumed_from_step": 5, "extra": 1}
-    progress = parse_progress(json.dumps(old).encode())
-    assert (progress.step, progress.uid, progress.resumed_from_step, progress.first_step_at) == (7, None, 5, None)
+    progress = contract.from_json(json.dumps(old).encode())
+    assert (progress.step, progress.uid, progress.resumed_from_step, progress.first_step_at) == (7, "", 5, None)
 
 
 @pytest.mark.parametrize("raw", [b"{}", b"[]", b"not json", b'{"step": "x", "updated_at": "now"}'])
@@ -152,7 +158,8 @@ def test_quarantined_steps_and_a_storage_denial_round_trip_and_older_records_sti
     )  # fmt: skip
     back = contract.from_json(contract.to_json(record))
     assert back == record
-    assert parse_progress(contract.to_json(record).encode()).quarantined == (30,)  # what the operator names
+    shown = with_observations(TrainingJobStatus(attempt=3), Observed(now=back.updated, progress=back))
+    assert shown.quarantined_checkpoints == [30]  # what the operator names
     older = json.loads(contract.to_json(record))
     del older["quarantined"], older["storage_denied"]  # a trainer from before these fields
     read = contract.from_json(json.dumps(older))

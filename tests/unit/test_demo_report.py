@@ -8,7 +8,8 @@ import pytest
 from rich.console import Console
 from rich.table import Table
 from tpujob_devcluster import demo
-from tpujob_operator.facts import Progress
+
+from .factories import progress_record
 
 T0 = datetime(2026, 11, 30, 12, 0, tzinfo=UTC)
 
@@ -113,7 +114,7 @@ def _status(**failure_changes):
 
 
 def _seen():
-    resumed = Progress(
+    resumed = progress_record(
         step=240, attempt=1, updated_at=_at(40), restored_step=221,
         process_started_at=_at(7.25), storage_ready_at=_at(9), restore_started_at=_at(9.5),
         restore_finished_at=_at(11), first_step_at=_at(30.75),

@@ -3,13 +3,14 @@ jobs, broken checkpoints, refused objects. Each decision is checked on the pure 
 
 from datetime import UTC, datetime, timedelta
 
+import tpujob_contract as contract
 from tpujob_operator.api import RestartSpec
-from tpujob_operator.facts import JobSetFacts, Observed, PodFacts, Progress, RestoreFailure
+from tpujob_operator.facts import JobSetFacts, Observed, PodFacts
 from tpujob_operator.reconcile import reconcile, with_creation_refused
 from tpujob_operator.restarts import backoff
 from tpujob_operator.status import rfc3339
 
-from .factories import training_job
+from .factories import progress_record, training_job
 
 T0 = datetime(2026, 11, 30, 12, 0, tzinfo=UTC)
 UID = "0000-1111"
@@ -25,7 +26,7 @@ def _scheduled(name="w0", at=T0, phase="Running", **facts):
 
 
 def _progress(step=50, attempt=0, at=T0, uid=UID, **fields):
-    return Progress(step=step, attempt=attempt, updated_at=at, uid=uid, **fields)
+    return progress_record(step=step, attempt=attempt, updated_at=at, uid=uid, **fields)
 
 
 def _condition(status, type_):
@@ -261,7 +262,8 @@ def test_an_incompatible_checkpoint_fails_the_job_at_once_without_spending_the_b
 def test_the_step_actually_restored_is_recorded_with_an_event():
     tj = training_job(status={"phase": "Restarting", "attempt": 1, "resumedFromStep": 60})
     progress = _progress(step=45, attempt=1, restored_step=40, resumed_from_step=40,
-                         restore_failures=(RestoreFailure(60, "missing object"),), quarantined=(60,))  # fmt: skip
+                         restore_failures=(contract.RestoreFailure(60, "missing object"),),
+                         quarantined=(contract.QuarantinedStep(60, "run/quarantine/60"),))  # fmt: skip
     pods = (_scheduled(),)
     status, actions = reconcile(tj, Observed(now=T0, jobsets=(_jobset(attempt=1, pods=pods),), progress=progress))
     assert status.resumed_from_step == 40
@@ -273,7 +275,8 @@ def test_the_step_actually_restored_is_recorded_with_an_event():
 
 def test_quarantined_steps_stay_named_in_status_across_attempts():
     tj = training_job(status={"phase": "Running", "attempt": 2, "quarantinedCheckpoints": [60]})
-    progress = _progress(step=95, attempt=2, restored_step=80, resumed_from_step=90, quarantined=(90,))
+    moved = (contract.QuarantinedStep(90, "run/quarantine/90"),)
+    progress = _progress(step=95, attempt=2, restored_step=80, resumed_from_step=90, quarantined=moved)
     pods = (_scheduled(),)
     status, _ = reconcile(tj, Observed(now=T0, jobsets=(_jobset(attempt=2, pods=pods),), progress=progress))
     assert status.quarantined_checkpoints == [60, 90]

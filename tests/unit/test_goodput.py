@@ -3,10 +3,12 @@
 from datetime import UTC, datetime, timedelta
 
 import pytest
+import tpujob_contract as contract
 from tpujob_operator import goodput
 from tpujob_operator.api import FailureRecord, TrainingJobStatus
-from tpujob_operator.facts import Progress
 from tpujob_operator.status import rfc3339, rfc3339_precise
+
+from .factories import progress_record
 
 T0 = datetime(2026, 11, 30, 12, 0, tzinfo=UTC)
 
@@ -19,9 +21,9 @@ def _status(stage=None, attempt=0, phase="Pending", **fields) -> TrainingJobStat
     return TrainingJobStatus(stage=stage, attempt=attempt, phase=phase, start_time=rfc3339(T0), **fields)
 
 
-def _record(attempt=0, save=0.0, restore=None, rate=None, step=10) -> Progress:
+def _record(attempt=0, save=0.0, restore=None, rate=None, step=10) -> contract.ProgressRecord:
     started, finished = restore or (None, None)
-    return Progress(
+    return progress_record(
         step=step, attempt=attempt, updated_at=T0, steps_per_second=rate, save_blocking_seconds=save,
         restore_started_at=started, restore_finished_at=finished,
     )  # fmt: skip
@@ -33,7 +35,7 @@ class Job:
     def __init__(self) -> None:
         self.status = _status()
 
-    def step(self, at: float, progress: Progress | None = None, **after_fields) -> None:
+    def step(self, at: float, progress: contract.ProgressRecord | None = None, **after_fields) -> None:
         after = self.status.model_copy(update=after_fields)
         after.goodput = goodput.advance(self.status, after, progress, _at(at))
         self.status = after
@@ -170,7 +172,7 @@ def test_the_recovery_timeline_is_dated_stage_by_stage():
     replacement = JobSetFacts("llama-a1", 1, 4, _at(15), "Active", pods=(placed,), uid=uid, expected_pods=1)
     status = again(status, 21, jobsets=(replacement,))
     assert status.last_failure.timeline.pods_scheduled == rfc3339_precise(_at(20))
-    record = Progress(
+    record = progress_record(
         step=5, attempt=1, uid=uid, updated_at=_at(40), restore_finished_at=_at(30), first_step_at=_at(38)
     )
     status = again(status, 41, jobsets=(replacement,), progress=record)

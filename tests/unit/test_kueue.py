@@ -4,11 +4,11 @@ from __future__ import annotations
 
 from datetime import UTC, datetime, timedelta
 
-from tpujob_operator.facts import JobSetFacts, Observed, PodFacts, Progress
+from tpujob_operator.facts import JobSetFacts, Observed, PodFacts
 from tpujob_operator.jobset import build_jobset, queue_name, workload_admission
 from tpujob_operator.reconcile import reconcile
 
-from .factories import training_job
+from .factories import progress_record, training_job
 
 T0 = datetime(2026, 11, 30, 12, 0, tzinfo=UTC)
 UID = "0000-1111"
@@ -80,7 +80,7 @@ def test_a_kueue_preemption_is_not_a_failure():
     # Kueue suspended the JobSet; its workers saved on SIGTERM and exited 143.
     saved = PodFacts("w", 0, "Failed", exit_code=143, finished_at=T0, created=T0 - timedelta(minutes=5))
     preempted = _jobset(pods=(saved,), queue_reason="Preempted to accommodate a higher priority workload")
-    progress = Progress(step=480, attempt=0, updated_at=T0, uid=UID, state="preempted", last_committed_step=480)
+    progress = progress_record(step=480, attempt=0, updated_at=T0, uid=UID, state="preempted", last_committed_step=480)
     observed = Observed(now=T0, jobsets=(preempted,), progress=progress, latest_committed_step=480, queue_name=QUEUE)
     status, actions = reconcile(tj, observed)
     assert (status.phase, status.stage) == ("Pending", "Queued")

@@ -192,7 +192,7 @@ def test_commit_of_this_attempt_is_progress():
     commit = maxtext.Commit(step=120, committed_at=_at(30))
     progress = maxtext.progress(uid="u", attempt=1, attempt_started=_at(0), resume_step=100, latest=commit)
     assert progress is not None
-    assert (progress.step, progress.attempt, progress.updated_at, progress.uid) == (120, 1, _at(30), "u")
+    assert (progress.step, progress.attempt, progress.updated, progress.uid) == (120, 1, _at(30), "u")
     assert (progress.restored_step, progress.last_committed_step) == (100, 120)
 
 
@@ -213,7 +213,7 @@ def test_metrics_files_report_steps_past_the_last_commit():
         uid="u", attempt=1, attempt_started=_at(0), resume_step=100, latest=commit, metrics=files
     )
     assert progress is not None
-    assert (progress.step, progress.updated_at, progress.last_committed_step) == (127, _at(32), 120)
+    assert (progress.step, progress.updated, progress.last_committed_step) == (127, _at(32), 120)
 
 
 def test_lost_steps_follow_from_the_reported_step():

@@ -11,12 +11,12 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.parser import text_string_to_metric_families
 from tpujob_operator import __main__ as main
 from tpujob_operator import api
-from tpujob_operator.facts import JobSetFacts, Observed, PodFacts, Progress
+from tpujob_operator.facts import JobSetFacts, Observed, PodFacts
 from tpujob_operator.metrics import BADPUT_CAUSES, OperatorMetrics
 from tpujob_operator.reconcile import reconcile
 from tpujob_operator.status import rfc3339
 
-from .factories import training_job
+from .factories import progress_record, training_job
 
 T0 = datetime(2026, 11, 30, 12, 0, tzinfo=UTC)
 UID = "0000-1111"  # tests/unit/factories.py's TrainingJob
@@ -53,7 +53,7 @@ def _failed_jobset(attempt: int, exit_code: int, finished: datetime) -> JobSetFa
 def _restart(exit_code: int, decided: datetime, **status: object) -> tuple[api.TrainingJob, api.TrainingJobStatus]:
     """A Running job whose slice-1 worker exited at T0, decided on by the reconciler at `decided`."""
     tj = training_job(status={"phase": "Running", "attempt": 0, "step": 130, **status})
-    progress = Progress(step=130, attempt=0, updated_at=T0, uid=UID)
+    progress = progress_record(step=130, attempt=0, updated_at=T0, uid=UID)
     jobsets = (_failed_jobset(0, exit_code, T0),)
     after, _ = reconcile(tj, Observed(now=decided, jobsets=jobsets, progress=progress, latest_committed_step=100))
     return tj, after
@@ -107,7 +107,7 @@ def test_a_failure_that_ends_the_job_is_detected_and_its_series_go(metrics):
 def test_recovery_is_observed_once_when_it_first_appears(metrics):
     failure = {"time": rfc3339(T0), "kind": "ApplicationError", "reason": "ExitCode1", "resumeStep": 100}
     tj = training_job(status={"phase": "Restarting", "attempt": 1, "restarts": 1, "lastFailure": failure})
-    progress = Progress(step=101, attempt=1, updated_at=T0 + timedelta(seconds=42), uid=UID)
+    progress = progress_record(step=101, attempt=1, updated_at=T0 + timedelta(seconds=42), uid=UID)
     jobset = JobSetFacts("llama-a1", 1, 100, T0, "Active", uid=UID)
     observed = Observed(now=T0 + timedelta(seconds=45), jobsets=(jobset,), progress=progress)
     after, _ = reconcile(tj, observed)

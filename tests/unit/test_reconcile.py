@@ -2,11 +2,11 @@
 
 from datetime import UTC, datetime, timedelta
 
-from tpujob_operator.facts import JobSetFacts, Observed, PodFacts, Progress
+from tpujob_operator.facts import JobSetFacts, Observed, PodFacts
 from tpujob_operator.reconcile import final_step, reconcile
 from tpujob_operator.status import rfc3339
 
-from .factories import training_job
+from .factories import progress_record, training_job
 
 T0 = datetime(2026, 11, 30, 12, 0, tzinfo=UTC)
 
@@ -19,7 +19,7 @@ def _active(attempt=0, state="Active", resume=None, created=T0, pods=(), **facts
 
 
 def _progress(**fields):
-    return Progress(uid=UID, **fields)
+    return progress_record(uid=UID, **fields)
 
 
 def _conditions(status):
@@ -264,19 +264,34 @@ def test_only_the_true_condition_carries_the_current_message():
     assert (pending.status, pending.reason, pending.message) == ("False", "Running", "the job is Running")
 
 
-def test_the_adaptive_cadence_of_the_current_attempt_is_shown_in_status():
-    from tpujob_operator.facts import Cadence
-
+def test_failed_saves_of_the_current_attempt_are_shown_in_status():
+    """The trainer counts saves that raised (training goes on); the record carried the count and the
+    operator dropped it. It is shown with the step, and goes once an attempt reports none."""
     tj = training_job(status={"phase": "Running", "attempt": 1})
-    cadence = Cadence(interval_seconds=42.0, bound="young_daly", save_cost_seconds=0.8, overhead_percent=1.9,
-                      mtbf_seconds=10800.0)  # fmt: skip
+    running = Observed(now=T0, jobsets=(_active(1),), progress=_progress(step=9, attempt=1, updated_at=T0,
+                       save_failures=2))  # fmt: skip
+    status, _ = reconcile(tj, running)
+    assert status.save_failures == 2
+    assert status.model_dump(by_alias=True, exclude_none=True)["saveFailures"] == 2
+    later = Observed(now=T0, jobsets=(_active(2),), progress=_progress(step=12, attempt=2, updated_at=T0))
+    status, _ = reconcile(training_job(status={**status.model_dump(by_alias=True), "attempt": 2}), later)
+    assert status.save_failures is None
+    stale = _progress(step=9, attempt=0, updated_at=T0, save_failures=5)  # the previous attempt's record
+    status, _ = reconcile(tj, Observed(now=T0, jobsets=(_active(1),), progress=stale))
+    assert status.save_failures is None
+
+
+def test_the_adaptive_cadence_of_the_current_attempt_is_shown_in_status():
+    tj = training_job(status={"phase": "Running", "attempt": 1})
+    cadence = dict(checkpoint_interval_seconds=42.0, checkpoint_interval_bound="young_daly", save_cost_seconds=0.8,
+                   checkpoint_overhead_percent=1.9, mtbf_seconds=10800.0)  # fmt: skip
     status, _ = reconcile(tj, Observed(now=T0, jobsets=(_active(1),), progress=_progress(step=9, attempt=1,
-                          updated_at=T0, cadence=cadence)))  # fmt: skip
+                          updated_at=T0, **cadence)))  # fmt: skip
     shown = status.checkpoint_cadence
     assert shown is not None
     assert (shown.interval_seconds, shown.bound, shown.overhead_percent, shown.mtbf_seconds) == (
         42.0, "young_daly", 1.9, 10800.0)  # fmt: skip
-    older = _progress(step=9, attempt=0, updated_at=T0, cadence=cadence)  # the previous attempt's record
+    older = _progress(step=9, attempt=0, updated_at=T0, **cadence)  # the previous attempt's record
     status, _ = reconcile(training_job(status={"phase": "Running", "attempt": 1}),
                           Observed(now=T0, jobsets=(_active(1),), progress=older))  # fmt: skip
     assert status.checkpoint_cadence is None

@@ -5,7 +5,6 @@ from datetime import UTC, datetime
 
 import pytest
 from tpujob_operator.checkpoints import RunView, with_reported_commit
-from tpujob_operator.facts import Progress
 from tpujob_operator.runtime import (
     Reads,
     Runtime,
@@ -16,6 +15,8 @@ from tpujob_operator.runtime import (
     status_worth_writing,
     storage_reads,
 )
+
+from .factories import progress_record
 
 T0 = datetime(2026, 11, 30, 12, 0, tzinfo=UTC)
 LISTED = RunView(latest_committed_step=100, listed=True)
@@ -55,13 +56,13 @@ def test_while_workers_end_their_last_records_are_read():
     [(None, 100, 100), (100, 100, 100), (90, 100, 100), (120, 100, 120), (5, None, 5)],
 )
 def test_a_newer_commit_the_trainer_reports_is_the_latest_without_a_listing(reported, listed, latest):
-    progress = Progress(step=130, attempt=0, updated_at=T0, last_committed_step=reported, uid="u")
+    progress = progress_record(step=130, attempt=0, updated_at=T0, last_committed_step=reported, uid="u")
     view = with_reported_commit(RunView(latest_committed_step=listed, listed=True, progress=progress), "u", 0, False)
     assert view.latest_committed_step == latest
 
 
 def test_only_this_jobs_current_record_reports_a_commit_and_never_against_a_listing():
-    progress = Progress(step=130, attempt=1, updated_at=T0, last_committed_step=300, uid="u")
+    progress = progress_record(step=130, attempt=1, updated_at=T0, last_committed_step=300, uid="u")
     view = RunView(latest_committed_step=100, listed=True, progress=progress)
     assert with_reported_commit(view, "u", 1, listed_now=False).latest_committed_step == 300
     assert with_reported_commit(view, "other-uid", 1, listed_now=False).latest_committed_step == 100  # foreign

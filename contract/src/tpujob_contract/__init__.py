@@ -273,6 +273,15 @@ class ProgressRecord:
     checkpoint_overhead_percent: float | None = None
     mtbf_seconds: float | None = None
 
+    @property
+    def updated(self) -> datetime:
+        """updated_at as a datetime (from_json refuses a record whose updated_at does not parse); the
+        other times are optional: parse_time them where they are used."""
+        moment = parse_time(self.updated_at)
+        if moment is None:
+            raise ValueError("a progress record without updated_at")
+        return moment
+
 
 def format_time(moment: datetime) -> str:
     """RFC 3339 UTC with microseconds: the record's times, and clocks that add up short intervals."""
@@ -294,6 +303,7 @@ def to_json(record: ProgressRecord) -> str:
 
 
 _FIELDS = {f.name for f in dataclasses.fields(ProgressRecord)}
+_TIMES = tuple(sorted(name for name in _FIELDS if name.endswith("_at")))
 
 
 def from_json(raw: str | bytes) -> ProgressRecord:
@@ -304,7 +314,8 @@ def from_json(raw: str | bytes) -> ProgressRecord:
         fields = {k: v for k, v in data.items() if k in _FIELDS}
         fields["step"], fields["attempt"] = int(data["step"]), int(data.get("attempt", 0))
         fields["updated_at"] = str(data["updated_at"])
-        parse_time(fields["updated_at"])
+        for name in _TIMES:  # a reader parses them where it uses them: one that does not parse is refused here
+            parse_time(fields.get(name))
         fields["restore_failures"] = tuple(
             RestoreFailure(step=int(f["step"]), error=str(f.get("error", ""))[:ERROR_TEXT_LIMIT])
             for f in data.get("restore_failures") or []
@@ -313,6 +324,8 @@ def from_json(raw: str | bytes) -> ProgressRecord:
             QuarantinedStep(step=int(q["step"]), path=str(q.get("path", ""))) for q in data.get("quarantined") or []
         )
         fields["uid"] = str(data.get("uid") or "")
-        return ProgressRecord(**fields)
+        record = ProgressRecord(**fields)
+        record.updated  # noqa: B018 (refuses an empty updated_at)
+        return record
     except (KeyError, TypeError, AttributeError) as error:
         raise ValueError(f"not a progress record: {error!r}") from error

@@ -31,13 +31,14 @@ import tpujob_contract as contract
 import yaml
 from kubernetes import client, config
 from tpujob_operator.checkpoints import make_client, read_progress, split_gs_path
-from tpujob_operator.facts import Progress
 
 from .cluster import BUCKET, DevCluster, read_state
 from .controlplane import REPO_ROOT
 from .harness import helm_install_operator, signal_pod
 
 NAMESPACE = "default"
+# The demo's TrainingJobs: the custom-object calls' (group, version, namespace, plural)
+TRAININGJOBS = (contract.TRAININGJOB_GROUP, contract.TRAININGJOB_VERSION, NAMESPACE, contract.TRAININGJOB_PLURAL)
 DEMO_MANIFEST = REPO_ROOT / "examples" / "demo.yaml"
 DEMO_TIMEOUT_S = 600
 # The kill waits until the committed step has advanced this many times and training is this far along.
@@ -154,7 +155,7 @@ class Seen:
     committed_at_kill: int | None = None  # latest committed step in the bucket when the worker was killed
     trainer_step_before_kill: int | None = None
     trainer_last_step_attempt0: int | None = None  # attempt 0's last progress record (after the kill too)
-    resumed: Progress | None = None  # attempt 1's record, once it trained a step
+    resumed: contract.ProgressRecord | None = None  # attempt 1's record, once it trained a step
     failure: dict[str, Any] | None = None  # status.lastFailure of the kill (not of any later failure)
 
     def saw_failure(self, failure: dict[str, Any] | None) -> None:
@@ -311,17 +312,17 @@ def report_data(status: dict[str, Any], seen: Seen, name: str = "demo") -> dict[
         ("operator detected, decided", contract.parse_time(timeline.get("detected"))),
         ("replacement JobSet created", contract.parse_time(timeline.get("jobSetCreated"))),
         ("all pods scheduled", contract.parse_time(timeline.get("podsScheduled"))),
-        ("trainer process started", trainer_times.process_started_at if trainer_times else None),
-        ("storage answered", trainer_times.storage_ready_at if trainer_times else None),
-        ("restore started", trainer_times.restore_started_at if trainer_times else None),
+        ("trainer process started", contract.parse_time(trainer_times.process_started_at if trainer_times else None)),
+        ("storage answered", contract.parse_time(trainer_times.storage_ready_at if trainer_times else None)),
+        ("restore started", contract.parse_time(trainer_times.restore_started_at if trainer_times else None)),
         (
             "restore finished",
-            (trainer_times.restore_finished_at if trainer_times else None)
+            contract.parse_time(trainer_times.restore_finished_at if trainer_times else None)
             or contract.parse_time(timeline.get("restored")),
         ),
         (
             "first new step (compiled)",
-            (trainer_times.first_step_at if trainer_times else None)
+            contract.parse_time(trainer_times.first_step_at if trainer_times else None)
             or contract.parse_time(timeline.get("firstNewStep")),
         ),
     ]
@@ -458,7 +459,7 @@ def committed_steps(gcs: Any, run_dir: str, known: list[int]) -> list[int]:
 def kill_one_slice_worker(core: client.CoreV1Api, state_dir: Path, js_name: str) -> str:
     """SIGKILL the process of slice 1's first worker: a crash, as a dying host would look."""
     pods: list[Any] = core.list_namespaced_pod(
-        NAMESPACE, label_selector=f"jobset.sigs.k8s.io/jobset-name={js_name},jobset.sigs.k8s.io/job-index=1"
+        NAMESPACE, label_selector=f"{contract.JOBSET_NAME_LABEL}={js_name},{contract.JOB_INDEX_ANNOTATION}=1"
     ).items
     running = [
         p.metadata.name for p in pods
@@ -539,7 +540,7 @@ def run_demo(state_dir: Path) -> int:
         gcs = make_client()
         run_dir = f"gs://{BUCKET}/runs/{NAMESPACE}/{name}"
         _delete_previous(custom, gcs, name, run_dir)
-        custom.create_namespaced_custom_object("tpujob.dev", "v1alpha1", NAMESPACE, "trainingjobs", manifest)
+        custom.create_namespaced_custom_object(*TRAININGJOBS, manifest)
         print(f"applied {DEMO_MANIFEST.name} ({total_steps} steps, 2 slices x 2 hosts)", flush=True)
         seen = Seen()
         start = time.monotonic()
@@ -548,7 +549,7 @@ def run_demo(state_dir: Path) -> int:
         tj: Any = {}
         with LiveView() as live:
             while time.monotonic() - start < DEMO_TIMEOUT_S:
-                tj = custom.get_namespaced_custom_object("tpujob.dev", "v1alpha1", NAMESPACE, "trainingjobs", name)
+                tj = custom.get_namespaced_custom_object(*TRAININGJOBS, name)
                 status = tj.get("status") or {}
                 if seen.saw_commits(committed_steps(gcs, run_dir, seen.committed)):
                     commit_times.append(time.monotonic())
@@ -597,7 +598,7 @@ def run_demo(state_dir: Path) -> int:
 def _delete_previous(custom: client.CustomObjectsApi, gcs: Any, name: str, run_dir: str) -> None:
     """A rerun starts from scratch: an earlier demo's job and its checkpoints are removed first."""
     try:
-        custom.delete_namespaced_custom_object("tpujob.dev", "v1alpha1", NAMESPACE, "trainingjobs", name)
+        custom.delete_namespaced_custom_object(*TRAININGJOBS, name)
         time.sleep(3)  # let the garbage collector take the old JobSet and the pod runner its processes
     except client.exceptions.ApiException as error:
         if error.status != 404:

@@ -868,6 +868,13 @@ class TrainingJobStatus(StatusModel):
     job_set_name: str | None = None
     step: int | None = Field(default=None, description="Last step reported by the trainer.")
     loss: float | None = None
+    save_failures: int | None = Field(
+        default=None,
+        description=(
+            "Checkpoint saves that failed in the attempt that reported the step (training went on and "
+            "retried at the next interval); absent when none did."
+        ),
+    )
     resumed_from_step: int | None = None
     latest_checkpoint: CheckpointRef | None = None
     quarantined_checkpoints: list[int] = Field(

@@ -16,8 +16,6 @@ from google.api_core.retry import Retry
 from google.auth.credentials import AnonymousCredentials
 from google.cloud import storage
 
-from .facts import Cadence, Progress, RestoreFailure
-
 # A step directory without the commit marker is partial (a save cut short) and is skipped.
 COMMIT_MARKER = contract.COMMIT_MARKER
 PROGRESS_FILE = contract.PROGRESS_FILE
@@ -89,51 +87,11 @@ def latest_committed_step(client: storage.Client, run_dir: str) -> int | None:
     return None
 
 
-def parse_progress(raw: bytes) -> Progress:
-    """The trainer's record (contract.from_json), with times as datetimes for the reconciler."""
-    record = contract.from_json(raw)
-    updated_at = contract.parse_time(record.updated_at)
-    assert updated_at is not None  # from_json requires it
-    return Progress(
-        step=record.step,
-        attempt=record.attempt,
-        updated_at=updated_at,
-        loss=record.loss,
-        steps_per_second=record.steps_per_second,
-        last_committed_step=record.last_committed_step,
-        resumed_from_step=record.resumed_from_step,
-        state=record.state,
-        uid=record.uid or None,
-        restored_step=record.restored_step,
-        restore_failures=tuple(RestoreFailure(f.step, f.error) for f in record.restore_failures),
-        quarantined=tuple(q.step for q in record.quarantined),
-        process_started_at=contract.parse_time(record.process_started_at),
-        storage_ready_at=contract.parse_time(record.storage_ready_at),
-        restore_started_at=contract.parse_time(record.restore_started_at),
-        restore_finished_at=contract.parse_time(record.restore_finished_at),
-        first_step_at=contract.parse_time(record.first_step_at),
-        save_blocking_seconds=record.save_blocking_seconds,
-        cadence=_cadence(record),
-    )
-
-
-def _cadence(record: contract.ProgressRecord) -> Cadence | None:
-    if record.checkpoint_interval_seconds is None:
-        return None
-    return Cadence(
-        interval_seconds=record.checkpoint_interval_seconds,
-        bound=record.checkpoint_interval_bound,
-        save_cost_seconds=record.save_cost_seconds,
-        overhead_percent=record.checkpoint_overhead_percent,
-        mtbf_seconds=record.mtbf_seconds,
-    )
-
-
-def read_progress(client: storage.Client, run_dir: str) -> Progress | None:
+def read_progress(client: storage.Client, run_dir: str) -> contract.ProgressRecord | None:
     bucket_name, prefix = split_gs_path(run_dir)
     blob = client.bucket(bucket_name).blob(f"{prefix}/{PROGRESS_FILE}" if prefix else PROGRESS_FILE)
     try:
-        return parse_progress(blob.download_as_bytes(timeout=_TIMEOUT_SECONDS, retry=_RETRY))
+        return contract.from_json(blob.download_as_bytes(timeout=_TIMEOUT_SECONDS, retry=_RETRY))
     except gcs_errors.NotFound:
         return None
     except _STORAGE_FAILURES as error:
@@ -149,7 +107,7 @@ class RunView:
 
     latest_committed_step: int | None = None
     listed: bool = False  # latest_committed_step comes from a listing (False: never listed yet)
-    progress: Progress | None = None
+    progress: contract.ProgressRecord | None = None
     progress_generation: int | None = None  # GCS generation of the record `progress` was parsed from
     error: str | None = None  # the last read failed: reported until a read succeeds
     denied: bool = False  # that failure was a refusal of the operator's identity (401/403)
@@ -172,7 +130,7 @@ def refresh_progress(client: storage.Client, run_dir: str, view: RunView) -> Run
     if known is not None and blob.generation == known:  # a server that ignores the condition
         return replace(view, error=None)
     try:
-        return replace(view, progress=parse_progress(raw), progress_generation=blob.generation, error=None)
+        return replace(view, progress=contract.from_json(raw), progress_generation=blob.generation, error=None)
     except (ValueError, KeyError) as error:
         raise StorageError(f"{run_dir}/{PROGRESS_FILE} is malformed: {error}") from error
 
@@ -184,7 +142,7 @@ def with_reported_commit(view: RunView, uid: str | None, attempt: int, listed_no
     never against a listing just made (`listed_now`): a decision lists, and its listing alone says
     which steps exist, so a stale or foreign record never pins a step."""
     progress = view.progress
-    if listed_now or progress is None or progress.uid != uid or progress.attempt != attempt:
+    if listed_now or progress is None or progress.uid != (uid or "") or progress.attempt != attempt:
         return view
     reported = progress.last_committed_step
     if reported is None or (view.latest_committed_step is not None and reported <= view.latest_committed_step):

@@ -7,6 +7,8 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Literal
 
+import tpujob_contract as contract
+
 JobSetState = Literal["Active", "Suspended", "Completed", "Failed"]
 
 
@@ -79,55 +81,11 @@ class JobSetFacts:
 
 
 @dataclass(frozen=True)
-class RestoreFailure:
-    step: int
-    error: str
-
-
-@dataclass(frozen=True)
-class Cadence:
-    """The adaptive checkpoint policy's state, as the trainer reports it."""
-
-    interval_seconds: float | None
-    bound: str | None
-    save_cost_seconds: float | None
-    overhead_percent: float | None
-    mtbf_seconds: float | None
-
-
-@dataclass(frozen=True)
-class Progress:
-    """The trainer's progress record ($TPUJOB_RUN_DIR/progress.json)."""
-
-    step: int
-    attempt: int
-    updated_at: datetime
-    uid: str | None = None  # the TrainingJob incarnation that wrote it; a record of another one is ignored
-    restored_step: int | None = None
-    restore_failures: tuple[RestoreFailure, ...] = ()
-    quarantined: tuple[int, ...] = ()  # of those, the steps the trainer moved to <run dir>/quarantine/
-    # When this attempt's process started, storage answered, the restore ran and the first step ended;
-    # and how long saves blocked the training loop (cumulative): the goodput ledger's trainer half.
-    process_started_at: datetime | None = None
-    storage_ready_at: datetime | None = None
-    restore_started_at: datetime | None = None
-    restore_finished_at: datetime | None = None
-    first_step_at: datetime | None = None
-    save_blocking_seconds: float = 0.0
-    loss: float | None = None
-    steps_per_second: float | None = None
-    last_committed_step: int | None = None
-    resumed_from_step: int | None = None
-    state: str = "running"
-    cadence: Cadence | None = None  # policy adaptive only
-
-
-@dataclass(frozen=True)
 class Observed:
     now: datetime
     jobsets: tuple[JobSetFacts, ...] = ()
     latest_committed_step: int | None = None
-    progress: Progress | None = None
+    progress: contract.ProgressRecord | None = None  # the trainer's record (or what MaxText leaves)
     storage_error: str | None = None  # GCS could not be read: reported, never fatal
     storage_denied: bool = False  # ... because it refused the operator's identity (401/403)
     # Worker pods left by an earlier TrainingJob of the same name (deleted with --cascade=orphan):

@@ -17,8 +17,9 @@ from __future__ import annotations
 from datetime import datetime
 from typing import Literal
 
+import tpujob_contract as contract
+
 from .api import Badput, Goodput, Stage, TrainingJobStatus
-from .facts import Progress
 from .status import decided_failure, parse_time, rfc3339_precise
 
 Cause = Literal[
@@ -79,7 +80,7 @@ def _cause_of(status: TrainingJobStatus) -> Cause | None:
 
 
 def advance(
-    before: TrainingJobStatus, after: TrainingJobStatus, progress: Progress | None, now: datetime
+    before: TrainingJobStatus, after: TrainingJobStatus, progress: contract.ProgressRecord | None, now: datetime
 ) -> Goodput | None:
     """The ledger after one reconcile: `before` is the status it started from, `after` the one it
     decided, `progress` the trainer's record of this TrainingJob (if readable)."""
@@ -101,8 +102,9 @@ def advance(
             ledger, "productive", "checkpoint_save", progress.save_blocking_seconds - ledger.attempt_save_seconds
         )
         ledger.attempt_save_seconds += saved
-        if progress.restore_started_at and progress.restore_finished_at:
-            restore = (progress.restore_finished_at - progress.restore_started_at).total_seconds()
+        started, finished = parse_time(progress.restore_started_at), parse_time(progress.restore_finished_at)
+        if started and finished:
+            restore = (finished - started).total_seconds()
             ledger.attempt_restore_seconds += _move(
                 ledger, "startup", "restore", restore - ledger.attempt_restore_seconds
             )

@@ -7,7 +7,7 @@
 - What MaxText cannot honour is refused at admission (`CEL_RULES`, mirrored by `refusals`).
 - Progress without a progress record: MaxText writes none. `progress` turns what it leaves on storage
   (the newest committed step and its commit time, plus the metrics files of `gcs_metrics=true`) into
-  the same `facts.Progress` the reconciler uses; `read_progress` does the bounded GCS reads.
+  the same `contract.ProgressRecord` the trainer writes; `read_progress` does the bounded GCS reads.
 
 This module imports nothing from api.py (api.py imports it): the spec is duck-typed.
 """
@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 import tpujob_contract as contract
 from pydantic import JsonValue
 
-from .facts import JobSetFacts, Progress
+from .facts import JobSetFacts
 
 if TYPE_CHECKING:
     from google.cloud import storage
@@ -220,7 +220,7 @@ def progress(
     resume_step: int | None,
     latest: Commit | None,
     metrics: Sequence[MetricsFile] = (),
-) -> Progress | None:
+) -> contract.ProgressRecord | None:
     """The current attempt's progress as far as storage shows it, or None before its first sign.
 
     Only what happened after the attempt started counts (a commit or metrics file of an earlier
@@ -238,11 +238,11 @@ def progress(
     evidence += [(m.last_step, m.written_at) for m in metrics if m.written_at >= attempt_started]
     if not evidence:
         return None
-    return Progress(
+    return contract.ProgressRecord(
         step=max(step for step, _ in evidence),
         attempt=attempt,
-        updated_at=max(moment for _, moment in evidence),
-        uid=uid,
+        updated_at=contract.format_time(max(moment for _, moment in evidence)),
+        uid=uid or "",
         restored_step=resume_step,
         resumed_from_step=resume_step,
         last_committed_step=latest.step if latest is not None else None,
@@ -301,7 +301,7 @@ def current_jobset(tj: TrainingJob, jobsets: Sequence[JobSetFacts]) -> JobSetFac
 
 def read_progress(
     client: storage.Client, tj: TrainingJob, latest: int | None, jobsets: Sequence[JobSetFacts]
-) -> Progress | None:
+) -> contract.ProgressRecord | None:
     """One metadata read for the newest committed step (cached), plus, with gcs_metrics=true, one
     listing of the metrics files from the latest commit's on. Raises checkpoints.StorageError."""
     # The GCS client stack only where storage is read: api.py (the CRD generator) imports this module.

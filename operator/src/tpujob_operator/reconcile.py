@@ -67,7 +67,7 @@ def reconcile(tj: TrainingJob, observed: Observed) -> tuple[TrainingJobStatus, A
     if tj.status.phase in TERMINAL_PHASES:  # decided: what is left is to hold nothing
         return tj.status, release(tj.metadata.get("uid"), tj.status, observed.jobsets)
     # A record of another incarnation of this name is never taken for ours.
-    if observed.progress is not None and observed.progress.uid != tj.metadata.get("uid"):
+    if observed.progress is not None and observed.progress.uid != (tj.metadata.get("uid") or ""):
         observed = dataclasses.replace(observed, progress=None)
     if tj.status.start_time is None:
         tj = tj.model_copy(update={"status": tj.status.model_copy(update={"start_time": rfc3339(observed.now)})})
@@ -115,10 +115,10 @@ def _with_timeline(
             timeline.pods_scheduled = rfc3339_precise(max(scheduled))
     progress = observed.progress
     if progress is not None and progress.attempt == status.attempt and status.attempt > 0:
-        if timeline.restored is None and progress.restore_finished_at is not None:
-            timeline.restored = rfc3339_precise(progress.restore_finished_at)
+        if timeline.restored is None and (restored := parse_time(progress.restore_finished_at)) is not None:
+            timeline.restored = rfc3339_precise(restored)
         if timeline.first_new_step is None and failure.recovery_seconds is not None:
-            timeline.first_new_step = rfc3339_precise(progress.first_step_at or progress.updated_at)
+            timeline.first_new_step = rfc3339_precise(parse_time(progress.first_step_at) or progress.updated)
     if timeline == failure.timeline:
         return status
     return status.model_copy(update={"last_failure": failure.model_copy(update={"timeline": timeline})})
@@ -255,7 +255,7 @@ def _report_restore_fallback(
         return  # already reported
     broken = ", ".join(f"step {f.step} ({f.error})" for f in progress.restore_failures)
     restored = "nothing: fresh start" if progress.restored_step is None else f"step {progress.restored_step}"
-    moved = ", ".join(str(s) for s in progress.quarantined)
+    moved = ", ".join(str(q.step) for q in progress.quarantined)
     aside = f"; quarantined step(s) {moved} to quarantine/ in the run directory, bytes kept" if moved else ""
     actions.events.append(
         Event(
@@ -519,7 +519,7 @@ def _while_active(
     floor = _clock_floor(status, current)
     started = current.resumed_at or current.created
     progress = observed.progress
-    progressing = progress is not None and progress.attempt == status.attempt and progress.updated_at >= started
+    progressing = progress is not None and progress.attempt == status.attempt and progress.updated >= started
     scheduled = [p.scheduled_at for p in current.pods if p.scheduled_at is not None]
     expected = current.expected_pods or len(current.pods)
 

@@ -20,11 +20,12 @@ from datetime import UTC, datetime
 from functools import partial
 from typing import Any, TypeVar, cast
 
+import tpujob_contract as contract
 from kubernetes.client.exceptions import ApiException
 from pydantic import ValidationError
 
 from . import api, checkpoints, maxtext, nodes, policy
-from .facts import Actions, JobSetFacts, NodeFacts, Observed, Progress
+from .facts import Actions, JobSetFacts, NodeFacts, Observed
 from .jobset import (
     LABEL_ATTEMPT,
     build_jobset,
@@ -485,7 +486,9 @@ class Runtime:
         self.runs[key] = view
         return view, reads
 
-    def _maxtext_progress(self, tj: api.TrainingJob, latest: int | None, facts: list[JobSetFacts]) -> Progress | None:
+    def _maxtext_progress(
+        self, tj: api.TrainingJob, latest: int | None, facts: list[JobSetFacts]
+    ) -> contract.ProgressRecord | None:
         return maxtext.read_progress(self.storage(), tj, latest, facts)
 
     def _bounded(self, tj: api.TrainingJob, what: str, read: Callable[[], T], key: JobKey) -> T:

@@ -64,24 +64,25 @@ def with_observations(status: TrainingJobStatus, observed: Observed) -> Training
         update.update(
             step=progress.step,
             loss=progress.loss,
-            last_progress_time=rfc3339(progress.updated_at),
+            save_failures=progress.save_failures or None,
+            last_progress_time=rfc3339(progress.updated),
             resumed_from_step=restored,
         )
-        if not set(progress.quarantined) <= set(status.quarantined_checkpoints):
-            update["quarantined_checkpoints"] = sorted({*status.quarantined_checkpoints, *progress.quarantined})
-        if progress.cadence is not None:
-            cadence = progress.cadence
+        quarantined = {q.step for q in progress.quarantined}
+        if not quarantined <= set(status.quarantined_checkpoints):
+            update["quarantined_checkpoints"] = sorted({*status.quarantined_checkpoints, *quarantined})
+        if progress.checkpoint_interval_seconds is not None:  # policy adaptive
             update["checkpoint_cadence"] = CheckpointCadence(
-                interval_seconds=cadence.interval_seconds,
-                bound=cadence.bound,
-                save_cost_seconds=cadence.save_cost_seconds,
-                overhead_percent=cadence.overhead_percent,
-                mtbf_seconds=cadence.mtbf_seconds,
+                interval_seconds=progress.checkpoint_interval_seconds,
+                bound=progress.checkpoint_interval_bound,
+                save_cost_seconds=progress.save_cost_seconds,
+                overhead_percent=progress.checkpoint_overhead_percent,
+                mtbf_seconds=progress.mtbf_seconds,
             )
         failure = status.last_failure
         if failure is not None and failure.recovery_seconds is None and progress.step > (failure.resume_step or -1):
             # First step trained by the attempt that replaced the failed one: the failure's cost in time.
-            recovered = (progress.updated_at - parse_time(failure.time)).total_seconds()  # type: ignore[operator]
+            recovered = (progress.updated - parse_time(failure.time)).total_seconds()  # type: ignore[operator]
             update["last_failure"] = failure.model_copy(update={"recovery_seconds": round(recovered, 1)})
     return status.model_copy(update=update)
 
