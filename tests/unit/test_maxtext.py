@@ -13,8 +13,9 @@ from typing import Any
 import pytest
 import yaml
 from pydantic import ValidationError
-from tpujob_operator import api, maxtext
+from tpujob_operator import api
 from tpujob_operator.facts import JobSetFacts
+from tpujob_operator.frameworks import admission, maxtext
 from tpujob_operator.jobset import build_jobset, coordinator_host, jobset_name
 
 from .factories import training_job
@@ -109,7 +110,7 @@ def test_xpk_env_for_multi_host_start_up():
 def test_every_env_name_added_for_maxtext_is_reserved():
     plain = {e["name"] for e in _container(build_jobset(training_job(), 0, None))["env"]}
     added = {e["name"] for e in _container(build_jobset(maxtext_job(), 0, None))["env"]} - plain
-    assert added and added <= set(maxtext.RESERVED_ENV)
+    assert added and added <= set(admission.RESERVED_ENV)
 
 
 def test_tpujob_framework_is_the_default_and_unchanged():
@@ -124,19 +125,19 @@ REFUSED = [
     (
         "min interval",
         {"checkpoint": {"directory": "gs://b-1/x", "minIntervalSeconds": 30}},
-        maxtext.MIN_INTERVAL_MESSAGE,
+        admission.MIN_INTERVAL_MESSAGE,
     ),
     (
         "keep every steps",
         {"checkpoint": {"directory": "gs://b-1/x", "keep": {"everySteps": 1000}}},
-        maxtext.EVERY_STEPS_MESSAGE,
+        admission.EVERY_STEPS_MESSAGE,
     ),
-    ("adaptive", {"checkpoint": {"directory": "gs://b-1/x", "policy": "adaptive"}}, maxtext.ADAPTIVE_MESSAGE),
-    ("checkpoint_period in args", {"args": ["steps=10", "checkpoint_period=5"]}, maxtext.ARGS_MESSAGE),
-    ("base_output_directory in args", {"args": ["base_output_directory=gs://x/y"]}, maxtext.ARGS_MESSAGE),
-    ("run_name in args", {"args": ["run_name=other"]}, maxtext.ARGS_MESSAGE),
-    ("XPK variable in env", {"env": [{"name": "JAX_PROCESS_COUNT", "value": "9"}]}, maxtext.ENV_MESSAGE),
-    ("MaxText env override", {"env": [{"name": "M_CHECKPOINT_PERIOD", "value": "9"}]}, maxtext.ENV_MESSAGE),
+    ("adaptive", {"checkpoint": {"directory": "gs://b-1/x", "policy": "adaptive"}}, admission.ADAPTIVE_MESSAGE),
+    ("checkpoint_period in args", {"args": ["steps=10", "checkpoint_period=5"]}, admission.ARGS_MESSAGE),
+    ("base_output_directory in args", {"args": ["base_output_directory=gs://x/y"]}, admission.ARGS_MESSAGE),
+    ("run_name in args", {"args": ["run_name=other"]}, admission.ARGS_MESSAGE),
+    ("XPK variable in env", {"env": [{"name": "JAX_PROCESS_COUNT", "value": "9"}]}, admission.ENV_MESSAGE),
+    ("MaxText env override", {"env": [{"name": "M_CHECKPOINT_PERIOD", "value": "9"}]}, admission.ENV_MESSAGE),
 ]
 
 

@@ -27,7 +27,7 @@ from pydantic import (
 )
 from pydantic.alias_generators import to_camel
 
-from . import maxtext
+from .frameworks import admission
 from .tpu import ACCELERATORS, slice_shape
 
 GROUP = "tpujob.dev"
@@ -622,8 +622,8 @@ class RestartSpec(ApiModel):
 
 
 class TrainingJobSpec(ApiModel):
-    # spec.framework maxtext: what MaxText cannot honour is refused (maxtext.CEL_RULES, maxtext.refusals).
-    model_config = ConfigDict(json_schema_extra={"x-kubernetes-validations": maxtext.CEL_RULES})
+    # What a framework cannot honour is refused (frameworks/admission.py: CEL_RULES, refusals).
+    model_config = ConfigDict(json_schema_extra={"x-kubernetes-validations": admission.CEL_RULES})
 
     image: str = Field(
         min_length=1,
@@ -707,8 +707,8 @@ class TrainingJobSpec(ApiModel):
 
     @model_validator(mode="after")
     def _framework_can_honour_the_policy(self) -> TrainingJobSpec:
-        """maxtext.CEL_RULES, for objects that reach the operator without the apiserver."""
-        refused = maxtext.refusals(self)
+        """admission.CEL_RULES, for objects that reach the operator without the apiserver."""
+        refused = admission.refusals(self)
         if refused:
             raise ValueError("; ".join(refused))
         return self

@@ -15,7 +15,7 @@ from typing import Any
 
 import tpujob_contract as contract
 
-from . import maxtext
+from . import frameworks
 from .api import (
     DEFAULT_OVERHEAD_BUDGET_PERCENT,
     GROUP,
@@ -191,24 +191,24 @@ def build_jobset(tj: TrainingJob, attempt: int, resume_step: int | None, queue: 
     if queue:
         resume_step = None
     jobset_labels = {**labels, **_kueue_labels(tj, queue)}
+    framework = frameworks.for_job(tj)  # its env after the contract's, its args
     container: dict[str, Any] = {
         "name": CONTAINER,
         "image": tj.spec.image,
-        "env": trainer_env(tj, attempt, resume_step, name),
+        "env": [
+            *trainer_env(tj, attempt, resume_step, name),
+            *framework.env(tj, coordinator_host(name), shape.hosts),
+            *[_slice_index_env(env_name) for env_name in framework.slice_index_env],
+        ],
         "ports": [{"name": "coordinator", "containerPort": COORDINATOR_PORT}],
         "resources": _resources(tj, shape.chips_per_host),
         "securityContext": copy.deepcopy(CONTAINER_SECURITY_CONTEXT),
     }
     if tj.spec.command:
         container["command"] = list(tj.spec.command)
-    if tj.spec.args:
-        container["args"] = list(tj.spec.args)
-    if tj.spec.framework == maxtext.FRAMEWORK:  # MaxText's checkpoint flags after the user's, XPK's env
-        container["args"] = [*(tj.spec.args or []), *maxtext.maxtext_args(tj)]
-        container["env"] += [
-            *maxtext.maxtext_env(tj, coordinator_host(name), shape.hosts),
-            _slice_index_env(maxtext.JOB_INDEX),
-        ]
+    args = framework.args(tj)
+    if args:
+        container["args"] = args
     pod_spec: dict[str, Any] = {
         "restartPolicy": "Never",
         "terminationGracePeriodSeconds": TERMINATION_GRACE_SECONDS,

@@ -15,9 +15,9 @@ from __future__ import annotations
 import dataclasses
 from datetime import datetime
 
-from tpujob_contract import DEFAULT_STEPS, STEPS_ENV, STORAGE_DENIED_PREFIX, ExitCode
+from tpujob_contract import STORAGE_DENIED_PREFIX, ExitCode
 
-from . import goodput, maxtext
+from . import frameworks, goodput
 from .api import (
     FailureEvidence,
     FailureRecord,
@@ -348,29 +348,10 @@ def _with_later_resume_point(status: TrainingJobStatus, latest: int | None) -> N
     status.last_failure = failure.model_copy(update={"resume_step": latest, "lost_steps": lost})
 
 
-_TRAINER_STEPS_FLAG = "--steps"
-
-
 def final_step(tj: TrainingJob) -> int | None:
-    """The step a run that trained to the end has committed last: the trainer's --steps (argparse:
-    the last one wins, `--steps N` or `--steps=N`, an unambiguous prefix too), else TPUJOB_STEPS in
-    spec.env, else its default; MaxText's from its own flags. None when the spec does not say."""
-    if tj.spec.framework == maxtext.FRAMEWORK:
-        return maxtext.final_step(tj.spec.args or [])
-    args, value = list(tj.spec.args or []), None
-    env = {e.name: e for e in tj.spec.env or []}
-    if STEPS_ENV in env:
-        value = env[STEPS_ENV].value  # None: from a source the operator cannot read
-        if value is None:
-            return None
-    for i, arg in enumerate(args):
-        flag, equals, inline = arg.partition("=")
-        if len(flag) >= 4 and _TRAINER_STEPS_FLAG.startswith(flag):
-            value = inline if equals else (args[i + 1] if i + 1 < len(args) else None)
-    try:
-        return int(value) if value is not None else DEFAULT_STEPS
-    except ValueError:
-        return None
+    """The step a run that trained to the end has committed last, as its framework reads the spec
+    (frameworks/): None when the spec does not say."""
+    return frameworks.for_job(tj).final_step(tj)
 
 
 def _completed(
