@@ -67,19 +67,27 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
-import numpy as np
+import tpujob_contract as contract
 import yaml
 from kubernetes import client, config, watch
 from kubernetes.client.exceptions import ApiException
+from tpujob_contract import JOBSET_GROUP, JOBSET_PLURAL, JOBSET_VERSION, LABEL_ATTEMPT, LABEL_NAME
 from tpujob_devcluster.cluster import BUCKET, DevCluster, Pool
 from tpujob_devcluster.controlplane import REPO_ROOT, free_port, tools_dir
-from tpujob_devcluster.harness import OPERATOR_NAMESPACE, ensure_namespace, git, pod_pids, signal_pod, worktree
+from tpujob_devcluster.harness import (
+    OPERATOR_NAMESPACE,
+    ensure_namespace,
+    git,
+    pod_pids,
+    quantiles,
+    signal_pod,
+    worktree,
+)
 
-GROUP, VERSION, PLURAL = "tpujob.dev", "v1alpha1", "trainingjobs"
+GROUP, VERSION, PLURAL = contract.TRAININGJOB_GROUP, contract.TRAININGJOB_VERSION, contract.TRAININGJOB_PLURAL
 NAMESPACE = "scale"
 RELEASE = "tpujob"
 OPERATOR_USER = f"system:serviceaccount:{OPERATOR_NAMESPACE}:{RELEASE}"
-LABEL_NAME, LABEL_ATTEMPT = f"{GROUP}/name", f"{GROUP}/attempt"
 ACCELERATOR, TOPOLOGY = "tpu-v5-lite-podslice", "2x2"  # one host of 4 chips: one worker pod per job
 SOURCES = ("operator/src", "contract/src")  # what --operator-rev puts first on the operator's PYTHONPATH
 AUDIT_POLICY: dict[str, Any] = {
@@ -98,15 +106,6 @@ BLACKHOLE_HOLD = 120.0  # a blackholed request is held this long at most (the cl
 
 def log(message: str) -> None:
     print(f"[{time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
-
-
-def quantiles(values: list[float]) -> dict[str, float | int | None]:
-    """p50/p99 (numpy's linear interpolation), max and n. With n < 100 the p99 lies between the two
-    largest values: read it with n."""
-    if not values:
-        return {"p50": None, "p99": None, "max": None, "n": 0}
-    p50, p99 = np.percentile(values, [50, 99])
-    return {"p50": round(float(p50), 3), "p99": round(float(p99), 3), "max": round(max(values), 3), "n": len(values)}
 
 
 # --- GCS: a counting proxy in front of the emulator, for the operator only ---------------------------
@@ -332,7 +331,7 @@ class JobSetWatch:
                 if version:
                     kwargs["resource_version"] = version
                 for event in w.stream(
-                    self.custom.list_namespaced_custom_object, "jobset.x-k8s.io", "v1alpha2", NAMESPACE, "jobsets",
+                    self.custom.list_namespaced_custom_object, JOBSET_GROUP, JOBSET_VERSION, NAMESPACE, JOBSET_PLURAL,
                     **kwargs,
                 ):  # fmt: skip
                     now = time.time()
@@ -549,7 +548,7 @@ class Bench:
         histogram = Counter(int(b // 10 * 10) for b in behind)
         return {
             "measure": "trainer's latest progress record step - status.step, in seconds (1 step/s), Running jobs",
-            **quantiles(behind),
+            **quantiles(behind, points=(50, 99)),
             "unknown": unknown,
             "histogram_10s": {f"{k}-{k + 10}": n for k, n in sorted(histogram.items())},
         }
@@ -615,7 +614,7 @@ class Bench:
             time.sleep(self.rng.uniform(1.0, 3.0))
         return {
             "measure": "SIGKILL of the worker -> replacement JobSet seen ADDED (bench watch)",
-            **quantiles(samples),
+            **quantiles(samples, points=(50, 99)),
             "timeouts": timeouts,
             "skipped_not_running": skipped,
             "samples_s": [round(s, 3) for s in samples],

@@ -45,37 +45,42 @@ import json
 import random
 import signal
 import statistics
-import subprocess
 import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-import numpy as np
+import tpujob_contract as contract
 from google.auth.credentials import AnonymousCredentials
 from google.cloud import storage
 from kubernetes import client, config, watch
+from tpujob_contract import LABEL_ATTEMPT, LABEL_NAME
 from tpujob_devcluster.cluster import BUCKET, DevCluster
-from tpujob_devcluster.controlplane import REPO_ROOT, free_port, tools_dir
+from tpujob_devcluster.controlplane import REPO_ROOT
 from tpujob_devcluster.harness import (
+    CHART,
     OPERATOR_NAMESPACE,
+    OPERATOR_RELEASE,
     ensure_namespace,
     git,
     helm_install_operator,
+    quantiles,
     signal_pod,
     worktree,
 )
-from tpujob_operator import api, checkpoints
+from tpujob_operator import checkpoints
 
 NAMESPACE = "default"
 BASELINE_NAMESPACE = "tpujob-bench-baseline"  # the baseline's jobs; its operator watches only this one
-LABEL_NAME, LABEL_ATTEMPT = f"{api.GROUP}/name", f"{api.GROUP}/attempt"
+# The custom-object calls' (group, version) of the two kinds the bench reads.
+TRAININGJOBS = (contract.TRAININGJOB_GROUP, contract.TRAININGJOB_VERSION)
+JOBSETS = (contract.JOBSET_GROUP, contract.JOBSET_VERSION)
 POLICIES = ("continuous", "interval")
 SOURCES = ("operator/src", "trainer_image/src", "contract/src")  # what a revision's PYTHONPATH puts first
 STAGES = (
@@ -140,7 +145,7 @@ def _manifest(name: str, policy: str, steps: int, failures: int, side: Side) -> 
     if side.pythonpath:  # the trainer of that revision (images.yaml runs this venv's interpreter)
         env.append({"name": "PYTHONPATH", "value": side.pythonpath})
     return {
-        "apiVersion": f"{api.GROUP}/{api.VERSION}", "kind": api.KIND,
+        "apiVersion": "/".join(TRAININGJOBS), "kind": contract.TRAININGJOB_KIND,
         "metadata": {"name": name, "namespace": side.namespace},
         "spec": {
             "image": "tpujob-trainer:dev",
@@ -151,26 +156,6 @@ def _manifest(name: str, policy: str, steps: int, failures: int, side: Side) -> 
             "restart": {"maxRestarts": failures, "backoffSeconds": 0},
         },
     }  # fmt: skip
-
-
-def helm_install(kubeconfig: Path, side: Side, release: str, namespace: str, watch_namespace: str) -> None:
-    """A side's own chart as a release watching only its side's namespace, its sources first on the
-    operator's PYTHONPATH (the chart's extraEnv); the image maps to the local operator in images.yaml."""
-    chart = (side.source or REPO_ROOT) / "charts" / "tpujob"
-    sets = [
-        "image.repository=tpujob-operator", "image.tag=dev", f"livenessPort={free_port()}",
-        f"metrics.port={free_port()}", f"watchNamespaces={{{watch_namespace}}}",
-    ]  # fmt: skip
-    if side.pythonpath:
-        sets += ["extraEnv[0].name=PYTHONPATH", f"extraEnv[0].value={side.pythonpath}"]
-    result = subprocess.run(
-        [str(tools_dir() / "helm"), "upgrade", "--install", release, str(chart), "--namespace", namespace,
-         "--create-namespace", "--kubeconfig", str(kubeconfig), "--skip-crds", "--wait", "--timeout", "3m",
-         *[arg for value in sets for arg in ("--set", value)]],
-        check=False, capture_output=True, text=True,
-    )  # fmt: skip
-    if result.returncode != 0:
-        raise RuntimeError(f"helm install of {release} failed:\n{result.stderr}")
 
 
 def _wall(moment: str | datetime | None) -> float | None:
@@ -184,19 +169,6 @@ def _wall(moment: str | datetime | None) -> float | None:
 
 def _span(start: float | None, end: float | None) -> float | None:
     return round(end - start, 3) if start is not None and end is not None else None
-
-
-def quantiles(values: Iterable[float | None]) -> dict[str, float | None]:
-    """p50/p90/p99 (numpy's linear interpolation), max and n of the known values. With n < 100 the
-    p99 lies between the two largest values: read it with n."""
-    known = [v for v in values if v is not None]
-    if not known:
-        return {"p50": None, "p90": None, "p99": None, "max": None, "n": 0}
-    p50, p90, p99 = np.percentile(known, [50, 90, 99])
-    return {
-        "p50": round(float(p50), 3), "p90": round(float(p90), 3), "p99": round(float(p99), 3),
-        "max": round(max(known), 3), "n": len(known),
-    }  # fmt: skip
 
 
 class Watcher:
@@ -217,13 +189,13 @@ class Watcher:
             (core.list_namespaced_pod, (namespace,), {"label_selector": selector}, self._pod),
             (
                 custom.list_namespaced_custom_object,
-                ("jobset.x-k8s.io", "v1alpha2", namespace, "jobsets"),
+                (*JOBSETS, namespace, contract.JOBSET_PLURAL),
                 {"label_selector": selector},
                 self._jobset,
             ),
             (
                 custom.list_namespaced_custom_object,
-                (api.GROUP, api.VERSION, namespace, api.PLURAL),
+                (*TRAININGJOBS, namespace, contract.TRAININGJOB_PLURAL),
                 {"field_selector": f"metadata.name={name}"},
                 self._training_job,
             ),
@@ -294,7 +266,9 @@ class Bench:
         )
 
     def status(self, name: str, namespace: str) -> dict[str, Any]:
-        body: Any = self.custom.get_namespaced_custom_object(api.GROUP, api.VERSION, namespace, api.PLURAL, name)
+        body: Any = self.custom.get_namespaced_custom_object(
+            *TRAININGJOBS, namespace, contract.TRAININGJOB_PLURAL, name
+        )
         return dict(body.get("status") or {})
 
     def wait(self, probe: Any, timeout: float = 300.0, interval: float = 0.1) -> Any:
@@ -405,7 +379,7 @@ class Bench:
         watcher = Watcher(self.kube, name, ns)
         try:
             self.custom.create_namespaced_custom_object(
-                api.GROUP, api.VERSION, ns, api.PLURAL, _manifest(name, policy, 100000, failures, side)
+                *TRAININGJOBS, ns, contract.TRAININGJOB_PLURAL, _manifest(name, policy, 100000, failures, side)
             )
             records = []
             try:
@@ -418,7 +392,7 @@ class Bench:
                 self.diagnose(name, ns)
                 raise
             goodput = self.status(name, ns).get("goodput")
-            self.custom.delete_namespaced_custom_object(api.GROUP, api.VERSION, ns, api.PLURAL, name)
+            self.custom.delete_namespaced_custom_object(*TRAININGJOBS, ns, contract.TRAININGJOB_PLURAL, name)
             # The next job needs the one v5e node: wait for this one's pods to be gone.
             self.wait(lambda: not self.pods(name, ns), timeout=120.0, interval=0.5)
         finally:
@@ -600,8 +574,17 @@ def _bench(
         else:  # one release per namespace, each watching only its own side's jobs
             for side in {s.namespace: s for s in sides}.values():
                 bench.ensure_namespace(side.namespace)
-                release = "tpujob" if side.namespace == NAMESPACE else f"tpujob-{side.key}"
-                helm_install(cluster.kubeconfig, side, release, f"{OPERATOR_NAMESPACE}-{side.key}", side.namespace)
+                # A side's own chart as a release watching only its side's namespace, its sources first on
+                # the operator's PYTHONPATH.
+                helm_install_operator(
+                    cluster.kubeconfig,
+                    f"watchNamespaces={{{side.namespace}}}",
+                    release=OPERATOR_RELEASE if side.namespace == NAMESPACE else f"{OPERATOR_RELEASE}-{side.key}",
+                    chart=side.source / "charts" / "tpujob" if side.source else CHART,
+                    namespace=f"{OPERATOR_NAMESPACE}-{side.key}",
+                    env={"PYTHONPATH": side.pythonpath} if side.pythonpath else None,
+                    skip_crds=True,
+                )
         cluster_seconds = round(time.monotonic() - t0, 1)
         runs = []
         for r, policy, side in plan(sides, rounds):

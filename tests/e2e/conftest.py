@@ -18,11 +18,11 @@ import yaml
 from google.auth.credentials import AnonymousCredentials
 from google.cloud import storage
 from kubernetes import client, config
+from tpujob_contract import JOBSET_GROUP, JOBSET_VERSION
 from tpujob_devcluster.cluster import BUCKET, DevCluster
 from tpujob_devcluster.harness import helm_install_operator, pod_pids, signal_pod
 from tpujob_operator import api, checkpoints
 from tpujob_operator.facts import Progress
-from tpujob_operator.jobset import JOBSET_GROUP, JOBSET_VERSION
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 

@@ -13,8 +13,8 @@ from typing import Any
 import pytest
 from kubernetes import client
 from kubernetes.client.exceptions import ApiException
+from tpujob_contract import JOBSET_GROUP, JOBSET_PLURAL, JOBSET_VERSION, LABEL_UID
 from tpujob_operator import api, handlers
-from tpujob_operator.jobset import JOBSET_GROUP, JOBSET_PLURAL, JOBSET_VERSION, LABEL_UID
 from tpujob_operator.kube import Cluster as OperatorCluster
 from tpujob_operator.kube import Conflict
 

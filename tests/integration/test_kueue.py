@@ -14,21 +14,27 @@ from typing import Any, TypeVar
 import pytest
 import yaml
 from kubernetes import client, config
+from tpujob_contract import (
+    ACCELERATOR_LABEL,
+    JOBSET_GROUP,
+    JOBSET_VERSION,
+    KUEUE_GROUP,
+    KUEUE_VERSION,
+    PRIORITY_CLASS_LABEL,
+    QUEUE_LABEL,
+    TOPOLOGY_LABEL,
+    TPU_RESOURCE,
+)
 from tpujob_devcluster.cluster import DevCluster, load_pools
 from tpujob_devcluster.kueue import (
     CLUSTER_QUEUE,
-    GROUP,
     HIGH_PRIORITY,
     LOCAL_QUEUE,
     LOW_PRIORITY,
-    PRIORITY_CLASS_LABEL,
-    QUEUE_LABEL,
     QUEUES_FILE,
-    VERSION,
     flavor_name,
     queue_manifests,
 )
-from tpujob_operator.jobset import ACCELERATOR_LABEL, JOBSET_GROUP, JOBSET_VERSION, TOPOLOGY_LABEL, TPU_RESOURCE
 
 pytestmark = pytest.mark.integration
 T = TypeVar("T")
@@ -103,7 +109,7 @@ class Api:
 
     def workload(self, jobset: str) -> dict[str, Any] | None:
         """Kueue's Workload for a JobSet: the one it owns."""
-        found: Any = self.custom.list_namespaced_custom_object(GROUP, VERSION, NAMESPACE, "workloads")
+        found: Any = self.custom.list_namespaced_custom_object(KUEUE_GROUP, KUEUE_VERSION, NAMESPACE, "workloads")
         for item in found["items"]:
             owners = item["metadata"].get("ownerReferences") or []
             if any(o["kind"] == "JobSet" and o["name"] == jobset for o in owners):

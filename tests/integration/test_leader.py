@@ -22,10 +22,10 @@ from typing import Any
 import pytest
 from kubernetes import client, config
 from kubernetes.client.exceptions import ApiException
+from tpujob_contract import JOBSET_GROUP, JOBSET_PLURAL, JOBSET_VERSION, LABEL_NAME
 from tpujob_devcluster.controlplane import ControlPlane, free_port
 from tpujob_devcluster.fakegcs import FakeGcsServer
 from tpujob_operator import leader
-from tpujob_operator.jobset import JOBSET_GROUP, JOBSET_PLURAL, JOBSET_VERSION, LABEL_NAME
 
 from .conftest import eventually, training_job_manifest
 from .test_operator import Cluster

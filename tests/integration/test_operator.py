@@ -14,8 +14,9 @@ from typing import Any
 import pytest
 from google.cloud import storage
 from kubernetes import client
+from tpujob_contract import JOBSET_GROUP, JOBSET_PLURAL, JOBSET_VERSION
 from tpujob_operator import api, checkpoints, handlers
-from tpujob_operator.jobset import JOBSET_GROUP, JOBSET_PLURAL, JOBSET_VERSION, build_jobset
+from tpujob_operator.jobset import build_jobset
 
 from ..conftest import TEST_BUCKET
 from .conftest import eventually, training_job_manifest

@@ -14,9 +14,9 @@ from typing import Any
 import pytest
 from kubernetes import client, config
 from kubernetes.client.exceptions import ApiException
+from tpujob_contract import JOBSET_GROUP, JOBSET_PLURAL, JOBSET_VERSION
 from tpujob_devcluster.controlplane import tools_dir
 from tpujob_operator import api, handlers, policy
-from tpujob_operator.jobset import JOBSET_GROUP, JOBSET_PLURAL, JOBSET_VERSION
 
 from ..conftest import TEST_BUCKET
 from .conftest import eventually, training_job_manifest

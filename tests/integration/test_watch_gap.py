@@ -29,10 +29,10 @@ from google.auth.credentials import AnonymousCredentials
 from google.cloud import storage
 from kubernetes import client, config
 from kubernetes.config import kube_config
+from tpujob_contract import JOBSET_GROUP, JOBSET_PLURAL, JOBSET_VERSION, LABEL_UID
 from tpujob_devcluster.controlplane import Component, ControlPlane, build_binaries
 from tpujob_devcluster.fakegcs import FakeGcsServer
 from tpujob_operator import api, checkpoints, handlers, resync
-from tpujob_operator.jobset import JOBSET_GROUP, JOBSET_PLURAL, JOBSET_VERSION, LABEL_UID
 
 from ..conftest import REPO, TEST_BUCKET
 from .conftest import OperatorThread, eventually, training_job_manifest

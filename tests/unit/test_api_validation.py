@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 import yaml
 from pydantic import ValidationError
-from tpujob_operator import api, jobset
+from tpujob_operator import api
 from tpujob_operator.jobset import build_jobset
 
 from .factories import training_job
@@ -182,7 +182,12 @@ def test_tpu_chips_cannot_be_requested_by_hand(field: str):
 
 
 def test_the_refused_resource_is_the_one_the_operator_sets():
-    assert api.TPU_RESOURCE_NAME == jobset.TPU_RESOURCE
+    pod = build_jobset(training_job(), attempt=0, resume_step=None)["spec"]["replicatedJobs"][0]["template"]["spec"]
+    set_by_operator = pod["template"]["spec"]["containers"][0]["resources"]["limits"]
+    assert set_by_operator  # the slice's chips, which a user's limits may not name
+    for name in set_by_operator:
+        with pytest.raises(ValidationError, match=f"spec.resources.limits must not set {re.escape(name)}"):
+            training_job(resources={"limits": {name: 4}})
 
 
 VALID_DIRECTORIES = ["gs://bkt", "gs://bkt/", "gs://bkt/a", "gs://bkt/a/", "gs://b-1.x/a.b/...x/.hidden/..y/z.."]

@@ -7,9 +7,9 @@ from datetime import UTC, datetime
 from typing import Any
 
 import pytest
+from tpujob_contract import LABEL_UID
 from tpujob_operator import policy
 from tpujob_operator.facts import Actions
-from tpujob_operator.jobset import LABEL_UID
 from tpujob_operator.policy import Policy, violations
 
 from .factories import training_job

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 import yaml
+from tpujob_contract import ACCELERATOR_LABEL, JOBSET_NAME_LABEL, NODE_POOL_LABEL, TOPOLOGY_LABEL, TPU_RESOURCE
 from tpujob_operator.tpu import SliceShape, slice_shape
 
 from .certs import issue_serving_cert
@@ -75,16 +76,16 @@ def node_manifests(pools: list[Pool], system_nodes: int) -> list[dict[str, Any]]
                 _node(
                     f"gke-{pool.name}-{index}",
                     {
-                        "cloud.google.com/gke-nodepool": pool.name,
-                        "cloud.google.com/gke-tpu-accelerator": pool.accelerator,
-                        "cloud.google.com/gke-tpu-topology": pool.topology,
+                        NODE_POOL_LABEL: pool.name,
+                        ACCELERATOR_LABEL: pool.accelerator,
+                        TOPOLOGY_LABEL: pool.topology,
                     },
-                    {"google.com/tpu": str(pool.shape.chips_per_host)},
-                    [{"key": "google.com/tpu", "value": "present", "effect": "NoSchedule"}],
+                    {TPU_RESOURCE: str(pool.shape.chips_per_host)},
+                    [{"key": TPU_RESOURCE, "value": "present", "effect": "NoSchedule"}],
                 )
             )
     for index in range(system_nodes):
-        nodes.append(_node(f"gke-system-{index}", {"cloud.google.com/gke-nodepool": "system"}, {}, []))
+        nodes.append(_node(f"gke-system-{index}", {NODE_POOL_LABEL: "system"}, {}, []))
     return nodes
 
 
@@ -121,9 +122,7 @@ def jobset_webhooks(bin_dir: Path, port: int, ca_bundle: str) -> list[dict[str, 
             path = hook["clientConfig"]["service"]["path"]
             hook["clientConfig"] = {"url": f"https://127.0.0.1:{port}{path}", "caBundle": ca_bundle}
             if "pod" in hook["name"]:
-                hook["objectSelector"] = {
-                    "matchExpressions": [{"key": "jobset.sigs.k8s.io/jobset-name", "operator": "Exists"}]
-                }
+                hook["objectSelector"] = {"matchExpressions": [{"key": JOBSET_NAME_LABEL, "operator": "Exists"}]}
         result.append(doc)
     return result
 

@@ -1,14 +1,15 @@
 """Shared by the demo, the e2e tests and the benchmarks: install the operator with its Helm chart, make
-a namespace pods can run in, and reach the local processes behind a pod (to inject failures the way a
-dying host would)."""
+a namespace pods can run in, summarise measured times (quantiles), and reach the local processes
+behind a pod (to inject failures the way a dying host would)."""
 
 from __future__ import annotations
 
+import math
 import os
 import signal
 import subprocess
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -21,19 +22,56 @@ from .controlplane import REPO_ROOT, free_port, tools_dir
 OPERATOR_NAMESPACE = "tpujob-system"
 
 
-def helm_install_operator(kubeconfig: Path, *values: str) -> None:
-    """The chart as a user installs it; the image name maps to the local operator in images.yaml.
-    `values`: more `--set` assignments (key=value)."""
+OPERATOR_RELEASE = "tpujob"
+CHART = REPO_ROOT / "charts" / "tpujob"
+
+
+def helm_install_operator(
+    kubeconfig: Path,
+    *values: str,
+    release: str = OPERATOR_RELEASE,
+    chart: Path = CHART,
+    namespace: str = OPERATOR_NAMESPACE,
+    env: Mapping[str, str] | None = None,
+    skip_crds: bool = False,
+) -> None:
+    """The chart as a user installs it; the image name maps to the local operator in images.yaml, and
+    each install gets its own free liveness and metrics ports (several releases may share the cluster).
+    `values`: more `--set` assignments (key=value); `env`: added to the operator's environment (the
+    chart's extraEnv, as strings: a value that reads as a number stays one)."""
+    sets = [
+        "image.repository=tpujob-operator", "image.tag=dev", f"livenessPort={free_port()}",
+        f"metrics.port={free_port()}", *values,
+    ]  # fmt: skip
+    strings = [
+        f"extraEnv[{i}].{field}={text}"
+        for i, (name, value) in enumerate((env or {}).items())
+        for field, text in (("name", name), ("value", value))
+    ]
     result = subprocess.run(
-        [str(tools_dir() / "helm"), "upgrade", "--install", "tpujob", str(REPO_ROOT / "charts" / "tpujob"),
-         "--namespace", OPERATOR_NAMESPACE, "--create-namespace", "--kubeconfig", str(kubeconfig),
-         "--set", "image.repository=tpujob-operator", "--set", "image.tag=dev",
-         "--set", f"livenessPort={free_port()}", "--set", f"metrics.port={free_port()}",
-         *(arg for value in values for arg in ("--set", value)), "--wait", "--timeout", "3m"],
+        [str(tools_dir() / "helm"), "upgrade", "--install", release, str(chart), "--namespace", namespace,
+         "--create-namespace", "--kubeconfig", str(kubeconfig), *(["--skip-crds"] if skip_crds else []),
+         "--wait", "--timeout", "3m", *(arg for value in sets for arg in ("--set", value)),
+         *(arg for value in strings for arg in ("--set-string", value))],
         check=False, capture_output=True, text=True,
     )  # fmt: skip
     if result.returncode != 0:
-        raise RuntimeError(f"helm install of the operator failed:\n{result.stderr}")
+        raise RuntimeError(f"helm install of {release} failed:\n{result.stderr}")
+
+
+def quantiles(values: Iterable[float | None], points: Sequence[int] = (50, 90, 99)) -> dict[str, float | None]:
+    """p<point> for each point (numpy's default, linear interpolation between the closest ranks), max
+    and n of the known values. With n < 100 the p99 lies between the two largest values: read it with n."""
+    known = sorted(v for v in values if v is not None)
+    found: dict[str, float | None] = dict.fromkeys([*(f"p{point}" for point in points), "max"])
+    if known:
+        for point in points:
+            rank = (len(known) - 1) * point / 100
+            low = math.floor(rank)
+            high = min(low + 1, len(known) - 1)
+            found[f"p{point}"] = round(known[low] + (rank - low) * (known[high] - known[low]), 3)
+        found["max"] = round(known[-1], 3)
+    return found | {"n": len(known)}
 
 
 def pod_pids(state_dir: Path, namespace: str, pod_name: str) -> list[int]:

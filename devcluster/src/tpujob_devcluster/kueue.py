@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import yaml
-from tpujob_operator.jobset import ACCELERATOR_LABEL, TOPOLOGY_LABEL, TPU_RESOURCE
+from tpujob_contract import ACCELERATOR_LABEL, JOBSET_GROUP, KUEUE_GROUP, KUEUE_VERSION, TOPOLOGY_LABEL, TPU_RESOURCE
 
 from .certs import issue_serving_cert
 from .controlplane import REPO_ROOT, Component, ControlPlane, ControlPlaneError, free_port, http_ok
@@ -35,9 +35,6 @@ if TYPE_CHECKING:
     from .cluster import Pool
 
 QUEUES_FILE = REPO_ROOT / "examples" / "kueue" / "queues.yaml"
-GROUP, VERSION = "kueue.x-k8s.io", "v1beta2"
-QUEUE_LABEL = "kueue.x-k8s.io/queue-name"
-PRIORITY_CLASS_LABEL = "kueue.x-k8s.io/priority-class"
 CLUSTER_QUEUE = "tpu"
 LOCAL_QUEUE = "tpu"
 LOW_PRIORITY, HIGH_PRIORITY = "low", "high"
@@ -49,7 +46,8 @@ METRICS_CERT_PATH = "/etc/kueue/metrics/certs"
 # The kinds whose v1beta2 is a conversion hub (Kueue's own kustomization patches these CRDs to call
 # its /convert webhook); the other kinds' versions share one schema.
 CONVERTED_CRDS = {
-    f"{plural}.{GROUP}" for plural in ("clusterqueues", "cohorts", "localqueues", "multikueueclusters", "workloads")
+    f"{plural}.{KUEUE_GROUP}"
+    for plural in ("clusterqueues", "cohorts", "localqueues", "multikueueclusters", "workloads")
 }
 PLURALS = {
     "ResourceFlavor": "resourceflavors",
@@ -67,7 +65,7 @@ def flavor_name(accelerator: str, topology: str) -> str:
 
 def _flavor(accelerator: str, topology: str) -> dict[str, Any]:
     return {
-        "apiVersion": f"{GROUP}/{VERSION}",
+        "apiVersion": f"{KUEUE_GROUP}/{KUEUE_VERSION}",
         "kind": "ResourceFlavor",
         "metadata": {"name": flavor_name(accelerator, topology)},
         "spec": {"nodeLabels": {ACCELERATOR_LABEL: accelerator, TOPOLOGY_LABEL: topology}},
@@ -151,7 +149,7 @@ def kueue_webhooks(kueue_dir: Path, port: int, ca_bundle: str) -> list[dict[str,
         hooks = []
         for hook in doc["webhooks"]:
             groups = {g for rule in hook.get("rules") or [] for g in rule.get("apiGroups") or []}
-            if not groups & {GROUP, "jobset.x-k8s.io"}:
+            if not groups & {KUEUE_GROUP, JOBSET_GROUP}:
                 continue
             path = hook["clientConfig"]["service"]["path"]
             hook["clientConfig"] = {"url": f"https://127.0.0.1:{port}{path}", "caBundle": ca_bundle}
@@ -179,7 +177,7 @@ def kueue_crds(kueue_dir: Path, port: int, ca_bundle: str) -> list[dict[str, Any
 def object_path(obj: Mapping[str, Any]) -> str:
     meta = obj["metadata"]
     namespace = f"/namespaces/{meta['namespace']}" if meta.get("namespace") else ""
-    return f"/apis/{GROUP}/{VERSION}{namespace}/{PLURALS[obj['kind']]}/{meta['name']}"
+    return f"/apis/{KUEUE_GROUP}/{KUEUE_VERSION}{namespace}/{PLURALS[obj['kind']]}/{meta['name']}"
 
 
 class Kueue:
@@ -238,7 +236,7 @@ class Kueue:
         """A LocalQueue in `namespace` pointing at the ClusterQueue (the file's is in `default`)."""
         self.apply(
             {
-                "apiVersion": f"{GROUP}/{VERSION}",
+                "apiVersion": f"{KUEUE_GROUP}/{KUEUE_VERSION}",
                 "kind": "LocalQueue",
                 "metadata": {"name": name, "namespace": namespace},
                 "spec": {"clusterQueue": CLUSTER_QUEUE},
@@ -249,7 +247,7 @@ class Kueue:
         deadline = time.monotonic() + timeout
         conditions: list[dict[str, Any]] = []
         while time.monotonic() < deadline:
-            _, queue = self.plane.request("GET", f"/apis/{GROUP}/{VERSION}/clusterqueues/{CLUSTER_QUEUE}")
+            _, queue = self.plane.request("GET", f"/apis/{KUEUE_GROUP}/{KUEUE_VERSION}/clusterqueues/{CLUSTER_QUEUE}")
             conditions = (queue.get("status") or {}).get("conditions") or []
             if any(c["type"] == "Active" and c["status"] == "True" for c in conditions):
                 return

@@ -46,6 +46,7 @@ from typing import IO, Any
 import yaml
 from kubernetes import client, config
 from kubernetes.client.exceptions import ApiException
+from tpujob_contract import TPU_RESOURCE
 
 log = logging.getLogger("podrunner")
 NODE_LABEL = "tpujob.dev/devcluster-node"
@@ -128,7 +129,7 @@ def container_env(pod: dict[str, Any], container: dict[str, Any], extra: dict[st
 
 def tpu_chips(container: dict[str, Any]) -> int:
     limits = (container.get("resources") or {}).get("limits") or {}
-    return int(limits.get("google.com/tpu", 0))
+    return int(limits.get(TPU_RESOURCE, 0))
 
 
 @dataclass

@@ -30,10 +30,10 @@ from pydantic.alias_generators import to_camel
 from .frameworks import admission
 from .tpu import ACCELERATORS, slice_shape
 
-GROUP = "tpujob.dev"
-VERSION = "v1alpha1"
-KIND = "TrainingJob"
-PLURAL = "trainingjobs"
+# The API's identity is the contract's (the trainer, the devcluster and the benches name it too);
+# these short names stay because the CRD, the client calls and the tests use them everywhere.
+GROUP, VERSION = contract.TRAININGJOB_GROUP, contract.TRAININGJOB_VERSION
+KIND, PLURAL = contract.TRAININGJOB_KIND, contract.TRAININGJOB_PLURAL
 SHORT_NAMES = ["tj"]
 # The JobSet is named <name>-a<attempt> and JobSet's webhook refuses it unless its longest pod name,
 # <name>-a<attempt>-slice-<slice>-<host>-xxxxx (the Job controller's 5-character suffix), is a DNS-1035
@@ -69,7 +69,6 @@ MAX_RESOURCES = 32
 MAX_QUANTITY_LENGTH = 64
 MAX_SLICES = 256
 MAX_IMAGE_LENGTH = 1024  # a registry/repository:tag@digest reference fits in far less
-TPU_RESOURCE_NAME = "google.com/tpu"  # set by the operator from the slice shape (jobset.TPU_RESOURCE)
 
 # Environment variables the operator sets in every worker (jobset.trainer_env): the contract's
 # names, outside the reserved prefixes. spec.env may not name them; a test builds a JobSet and
@@ -106,9 +105,6 @@ FailureKind = Literal[
 ]
 # Which clock a live job is on; each has its own deadline (spec.restart.*TimeoutSeconds).
 Stage = Literal["Queued", "Scheduling", "StartingUp", "Training", "BackingOff", "Suspended", "Finished"]
-# Kueue's labels: the LocalQueue a workload waits in, and its WorkloadPriorityClass.
-QUEUE_LABEL = "kueue.x-k8s.io/queue-name"
-PRIORITY_CLASS_LABEL = "kueue.x-k8s.io/priority-class"
 
 
 def cel(
@@ -149,7 +145,7 @@ DNS_SUBDOMAIN_MESSAGE = (
     "spec.{field} must be lowercase letters, digits, '-' and '.', starting and ending with a letter or digit"
 )
 TPU_RESOURCE_MESSAGE = (
-    f"spec.resources.{{field}} must not set {TPU_RESOURCE_NAME}: the operator requests the slice's TPU chips itself"
+    f"spec.resources.{{field}} must not set {contract.TPU_RESOURCE}: the operator requests the slice's TPU chips itself"
 )
 QUANTITY_MESSAGE = "spec.resources.{field} values must be non-negative Kubernetes quantities (e.g. 4, 500m, 16Gi, 1.5)"
 # The apiserver names a map value's key in its path (spec.resources.requests[cpu]); so does the model.
@@ -179,7 +175,6 @@ DIRECTORY_DOT_SEGMENT_MESSAGE = "spec.checkpoint.directory must not contain a . 
 BACKOFF_MESSAGE = "spec.restart.maxBackoffSeconds must be at least spec.restart.backoffSeconds"
 ADAPTIVE_ONLY_MESSAGE = "spec.checkpoint.{field} applies only to spec.checkpoint.policy adaptive"
 MAX_INTERVAL_MESSAGE = "spec.checkpoint.maxIntervalSeconds must be at least spec.checkpoint.minIntervalSeconds"
-DEFAULT_OVERHEAD_BUDGET_PERCENT = 5.0
 MAX_OVERHEAD_BUDGET_PERCENT = 50.0
 
 # What k8s.io/apimachinery resource.ParseQuantity (and so CEL isQuantity()) accepts: an optionally
@@ -230,7 +225,7 @@ def _quantity_rule(field: str) -> dict[str, JsonValue]:
 
 
 def _resource_rules(field: str) -> list[dict[str, JsonValue]]:
-    return [cel(f"!('{TPU_RESOURCE_NAME}' in self)", TPU_RESOURCE_MESSAGE.format(field=field))]
+    return [cel(f"!('{contract.TPU_RESOURCE}' in self)", TPU_RESOURCE_MESSAGE.format(field=field))]
 
 
 def _request_within_limit_rules() -> list[dict[str, JsonValue]]:
@@ -382,7 +377,7 @@ class Resources(ApiModel):
     @classmethod
     def _quantities(cls, values: dict[str, int | str] | None, info: ValidationInfo) -> dict[str, int | str] | None:
         field = str(info.field_name)
-        if values is not None and TPU_RESOURCE_NAME in values:
+        if values is not None and contract.TPU_RESOURCE in values:
             raise ValueError(TPU_RESOURCE_MESSAGE.format(field=field))
         bad = [key for key, value in (values or {}).items() if not is_quantity(value)]
         if bad:
@@ -432,7 +427,12 @@ class TpuSpec(ApiModel):
 
 
 class KeepSpec(ApiModel):
-    latest: int = Field(default=3, ge=1, le=MAX_KEEP_LATEST, description="Keep the latest N committed checkpoints.")
+    latest: int = Field(
+        default=contract.DEFAULT_KEEP_LATEST,
+        ge=1,
+        le=MAX_KEEP_LATEST,
+        description="Keep the latest N committed checkpoints.",
+    )
     every_steps: int | None = Field(
         default=None,
         ge=1,
@@ -486,8 +486,8 @@ class CheckpointSpec(ApiModel):
             ]
         },
     )
-    policy: Literal["continuous", "interval", "adaptive"] = Field(
-        default="continuous",
+    policy: contract.CheckpointPolicy = Field(
+        default=contract.DEFAULT_CHECKPOINT_POLICY,
         description=(
             "continuous: start a new async save as soon as the previous one finished (no more often than "
             "minIntervalSeconds); interval: save every intervalSteps steps; adaptive: the shortest interval "
@@ -496,7 +496,7 @@ class CheckpointSpec(ApiModel):
         ),
     )
     min_interval_seconds: float = Field(
-        default=0,
+        default=contract.DEFAULT_MIN_INTERVAL_SECONDS,
         ge=0,
         le=MAX_MIN_INTERVAL_SECONDS,
         description="Floor between two continuous or adaptive saves, in seconds (0: back to back).",
@@ -507,7 +507,7 @@ class CheckpointSpec(ApiModel):
         le=MAX_OVERHEAD_BUDGET_PERCENT,
         description=(
             f"adaptive: step-time overhead allowed for checkpointing, in percent (default "
-            f"{DEFAULT_OVERHEAD_BUDGET_PERCENT:g})."
+            f"{contract.DEFAULT_OVERHEAD_BUDGET_PERCENT:g})."
         ),
     )
     max_interval_seconds: float | None = Field(
@@ -520,7 +520,9 @@ class CheckpointSpec(ApiModel):
         default=None, ge=1, le=MAX_STEPS, description="Steps between saves for the interval policy."
     )
     async_: bool = Field(
-        default=True, alias="async", description="Save asynchronously (training continues while the save is written)."
+        default=contract.DEFAULT_ASYNC_SAVE,
+        alias="async",
+        description="Save asynchronously (training continues while the save is written).",
     )
     keep: KeepSpec = Field(
         default_factory=KeepSpec,
@@ -528,7 +530,8 @@ class CheckpointSpec(ApiModel):
         json_schema_extra={"default": {}},  # lets the apiserver fill in (and show) the nested defaults
     )
     save_on_preemption: bool = Field(
-        default=True, description="On SIGTERM (preemption, maintenance), save the current step before exiting."
+        default=contract.DEFAULT_SAVE_ON_PREEMPTION,
+        description="On SIGTERM (preemption, maintenance), save the current step before exiting.",
     )
 
     @field_validator("directory")

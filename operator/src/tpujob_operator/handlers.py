@@ -13,10 +13,18 @@ import logging
 from typing import Any
 
 import kopf
+from tpujob_contract import (
+    JOBSET_GROUP,
+    JOBSET_PLURAL,
+    JOBSET_VERSION,
+    KUEUE_GROUP,
+    KUEUE_JOB_UID_LABEL,
+    KUEUE_VERSION,
+    LABEL_ATTEMPT,
+    LABEL_NAME,
+)
 
 from . import api
-from .jobset import JOBSET_GROUP, JOBSET_PLURAL, JOBSET_VERSION, LABEL_ATTEMPT, LABEL_NAME
-from .kube import KUEUE_GROUP, KUEUE_JOB_UID_LABEL, KUEUE_VERSION
 from .nodes import slim_node
 from .reconcile import TERMINAL_PHASES
 from .runtime import Runtime, slim_jobset, slim_pod, slim_workload, without_managed_fields

@@ -14,43 +14,35 @@ from datetime import UTC, datetime
 from typing import Any
 
 import tpujob_contract as contract
-
-from . import frameworks
-from .api import (
-    DEFAULT_OVERHEAD_BUDGET_PERCENT,
-    GROUP,
-    KIND,
+from tpujob_contract import (
+    ACCELERATOR_LABEL,
+    ANNOTATION_RESUME_STEP,
+    ANNOTATION_SUSPENDED,
+    JOB_INDEX_ANNOTATION,
+    JOBSET_GROUP,
+    JOBSET_VERSION,
+    LABEL_ATTEMPT,
+    LABEL_NAME,
+    LABEL_UID,
+    NODE_POOL_LABEL,
     PRIORITY_CLASS_LABEL,
     QUEUE_LABEL,
-    VERSION,
-    RestartSpec,
-    TrainingJob,
+    TOPOLOGY_LABEL,
+    TPU_RESOURCE,
 )
+
+from . import frameworks
+from .api import GROUP, KIND, VERSION, RestartSpec, TrainingJob
 from .cadence import job_mtbf
 from .facts import JobSetFacts, JobSetState, PodFacts
 from .status import parse_time
 from .tpu import slice_shape
 
-JOBSET_GROUP = "jobset.x-k8s.io"
-JOBSET_VERSION = "v1alpha2"
-JOBSET_PLURAL = "jobsets"
 REPLICATED_JOB = "slice"
 CONTAINER = "trainer"
 COORDINATOR_PORT = 8476
 
-LABEL_NAME = f"{GROUP}/name"
-LABEL_ATTEMPT = f"{GROUP}/attempt"
-LABEL_UID = f"{GROUP}/uid"  # the TrainingJob incarnation: a same-name successor never adopts what it labels
-ANNOTATION_RESUME_STEP = f"{GROUP}/resume-step"
-# "true" while the operator holds the JobSet suspended for spec.suspend; a suspension without it is
-# someone else's (a queueing system's), which the operator never lifts.
-ANNOTATION_SUSPENDED = f"{GROUP}/suspended"
 EXCLUSIVE_TOPOLOGY = "alpha.jobset.sigs.k8s.io/exclusive-topology"
-JOB_INDEX_ANNOTATION = "jobset.sigs.k8s.io/job-index"
-NODE_POOL_LABEL = "cloud.google.com/gke-nodepool"
-ACCELERATOR_LABEL = "cloud.google.com/gke-tpu-accelerator"
-TOPOLOGY_LABEL = "cloud.google.com/gke-tpu-topology"
-TPU_RESOURCE = "google.com/tpu"
 # Time a worker gets after SIGTERM to finish the in-flight save and write the current step.
 TERMINATION_GRACE_SECONDS = 120
 # Pod Security "restricted": the worker runs as the image's non-root (numeric) USER, cannot gain
@@ -135,7 +127,7 @@ def _adaptive_env(tj: TrainingJob) -> list[dict[str, str]]:
     if ckpt.policy != "adaptive":
         return []
     env = contract.Env
-    budget = ckpt.overhead_budget_percent or DEFAULT_OVERHEAD_BUDGET_PERCENT
+    budget = ckpt.overhead_budget_percent or contract.DEFAULT_OVERHEAD_BUDGET_PERCENT
     return [
         _env(env.CHECKPOINT_OVERHEAD_BUDGET_PERCENT, budget),
         *([_env(env.CHECKPOINT_MAX_INTERVAL_SECONDS, ckpt.max_interval_seconds)] if ckpt.max_interval_seconds else []),

@@ -12,9 +12,18 @@ from typing import Any, cast
 
 from kubernetes import client, config
 from kubernetes.client.exceptions import ApiException
+from tpujob_contract import (
+    ANNOTATION_SUSPENDED,
+    JOBSET_GROUP,
+    JOBSET_NAME_LABEL,
+    JOBSET_PLURAL,
+    JOBSET_VERSION,
+    KUEUE_GROUP,
+    KUEUE_JOB_UID_LABEL,
+    KUEUE_VERSION,
+)
 
 from . import api
-from .jobset import ANNOTATION_SUSPENDED, JOBSET_GROUP, JOBSET_PLURAL, JOBSET_VERSION
 
 log = logging.getLogger(__name__)
 # Every API call carries a timeout, so a stuck connection cannot stall a reconcile forever.
@@ -25,9 +34,6 @@ REQUEST_TIMEOUT_SECONDS = 30
 # 14 s of a 32 s recovery at 15 s of grace).
 FAILED_ATTEMPT_GRACE_SECONDS = 5
 JOB_CREATION_FAILED = "JobCreationFailed"  # the JobSet controller's Event when the apiserver refuses a Job
-JOBSET_NAME_LABEL = "jobset.sigs.k8s.io/jobset-name"
-KUEUE_GROUP, KUEUE_VERSION = "kueue.x-k8s.io", "v1beta2"
-KUEUE_JOB_UID_LABEL = "kueue.x-k8s.io/job-uid"
 NODE_LEASE_NAMESPACE = "kube-node-lease"  # each kubelet's heartbeat: a Lease named after its node
 
 

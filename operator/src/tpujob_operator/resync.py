@@ -29,10 +29,19 @@ from typing import TYPE_CHECKING, Any
 
 from kubernetes.client import ApiClient
 from kubernetes.client.exceptions import ApiException
+from tpujob_contract import (
+    JOBSET_GROUP,
+    JOBSET_PLURAL,
+    JOBSET_VERSION,
+    KUEUE_GROUP,
+    KUEUE_JOB_UID_LABEL,
+    KUEUE_VERSION,
+    LABEL_ATTEMPT,
+    LABEL_NAME,
+)
 
 from . import api
-from .jobset import JOBSET_GROUP, JOBSET_PLURAL, JOBSET_VERSION, LABEL_ATTEMPT, LABEL_NAME
-from .kube import KUEUE_GROUP, KUEUE_JOB_UID_LABEL, KUEUE_VERSION, REQUEST_TIMEOUT_SECONDS
+from .kube import REQUEST_TIMEOUT_SECONDS
 from .schedule import JobKey
 
 if TYPE_CHECKING:

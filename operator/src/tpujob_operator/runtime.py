@@ -23,11 +23,11 @@ from typing import Any, TypeVar, cast
 import tpujob_contract as contract
 from kubernetes.client.exceptions import ApiException
 from pydantic import ValidationError
+from tpujob_contract import LABEL_ATTEMPT, QUEUE_LABEL
 
 from . import api, checkpoints, maxtext, nodes, policy
 from .facts import Actions, JobSetFacts, NodeFacts, Observed
 from .jobset import (
-    LABEL_ATTEMPT,
     build_jobset,
     expected_pods,
     incarnation_uid,
@@ -318,7 +318,7 @@ class Runtime:
         workloads = None
         if "workloads" in self.indexes:
             queued = [
-                js["metadata"].get("uid") for js in jobsets if api.QUEUE_LABEL in (js["metadata"].get("labels") or {})
+                js["metadata"].get("uid") for js in jobsets if QUEUE_LABEL in (js["metadata"].get("labels") or {})
             ]
             workloads = {uid: _newest_workload(self.indexes["workloads"].get(uid, ())) for uid in queued if uid}
         return Snapshot(key, dict(body), jobsets, pods, workloads, self._nodes_under(pods))
@@ -522,7 +522,7 @@ class Runtime:
                 name = js["metadata"]["name"]  # only then can a refusal be the reason
                 refused = self._slowly(key, f"refusal:{name}", self.cluster().pod_creation_refusal, key[0], name)
             admission: tuple[datetime | None, str | None] = (None, None)
-            if current and labels.get(api.QUEUE_LABEL):
+            if current and labels.get(QUEUE_LABEL):
                 js_uid = js["metadata"].get("uid")
                 if snapshot.workloads is not None:
                     workload = snapshot.workloads.get(js_uid)

@@ -14,7 +14,8 @@ import math
 from collections.abc import Mapping, Sequence
 from typing import Literal
 
-from tpujob_contract import DEFAULT_STEPS, STEPS_ENV, Env, Resume
+import tpujob_contract as contract
+from tpujob_contract import DEFAULT_STEPS, STEPS_ENV, CheckpointPolicy, Env, Resume
 
 
 class ConfigError(ValueError):
@@ -53,8 +54,6 @@ MODELS: dict[str, ModelConfig] = {
     )
 }
 
-Policy = Literal["continuous", "interval", "adaptive"]
-POLICIES: tuple[Policy, ...] = ("continuous", "interval", "adaptive")
 DType = Literal["auto", "float32", "bfloat16"]
 
 
@@ -73,7 +72,7 @@ class TrainConfig:
 
 @dataclasses.dataclass(frozen=True)
 class CheckpointConfig:
-    policy: Policy
+    policy: CheckpointPolicy
     min_interval_seconds: float
     interval_steps: int
     async_save: bool
@@ -83,7 +82,7 @@ class CheckpointConfig:
     resume: Resume  # the operator's TPUJOB_RESUME_STEP: a committed step, the latest one, or fresh
     # adaptive: the step-time budget for saves (percent), the interval's upper bound (None: none;
     # min_interval_seconds is the lower one) and the operator's MTBF estimate (None: budget only)
-    overhead_budget_percent: float = 5.0
+    overhead_budget_percent: float = contract.DEFAULT_OVERHEAD_BUDGET_PERCENT
     max_interval_seconds: float | None = None
     mtbf_seconds: float | None = None
 
@@ -150,7 +149,7 @@ def _int(env: Mapping[str, str], name: str, default: int) -> int:
 def _float(env: Mapping[str, str], name: str, default: float) -> float:
     raw = env.get(name, "").strip()
     if not raw:
-        return default
+        return float(default)
     try:
         value = float(raw)
     except ValueError:
@@ -228,20 +227,23 @@ def _train_config(args: argparse.Namespace) -> TrainConfig:
 
 
 def _checkpoint_config(env: Mapping[str, str]) -> CheckpointConfig:
-    raw_policy = env.get(Env.CHECKPOINT_POLICY, "continuous").strip() or "continuous"
-    policy = next((p for p in POLICIES if p == raw_policy), None)
+    policies = contract.CHECKPOINT_POLICIES
+    raw_policy = env.get(Env.CHECKPOINT_POLICY, "").strip() or contract.DEFAULT_CHECKPOINT_POLICY
+    policy = next((p for p in policies if p == raw_policy), None)
     if policy is None:
-        raise ConfigError(f"{Env.CHECKPOINT_POLICY}={raw_policy!r}: want {'|'.join(POLICIES)}")
+        raise ConfigError(f"{Env.CHECKPOINT_POLICY}={raw_policy!r}: want {'|'.join(policies)}")
     cfg = CheckpointConfig(
         policy=policy,
-        min_interval_seconds=_float(env, Env.CHECKPOINT_MIN_INTERVAL_SECONDS, 0.0),
-        interval_steps=_int(env, Env.CHECKPOINT_INTERVAL_STEPS, 100),
-        async_save=_bool(env, Env.CHECKPOINT_ASYNC, True),
-        keep_latest=_int(env, Env.CHECKPOINT_KEEP_LATEST, 3),
-        keep_every_steps=_int(env, Env.CHECKPOINT_KEEP_EVERY_STEPS, 0),
-        save_on_preemption=_bool(env, Env.CHECKPOINT_SAVE_ON_PREEMPTION, True),
+        min_interval_seconds=_float(env, Env.CHECKPOINT_MIN_INTERVAL_SECONDS, contract.DEFAULT_MIN_INTERVAL_SECONDS),
+        interval_steps=_int(env, Env.CHECKPOINT_INTERVAL_STEPS, contract.DEFAULT_INTERVAL_STEPS),
+        async_save=_bool(env, Env.CHECKPOINT_ASYNC, contract.DEFAULT_ASYNC_SAVE),
+        keep_latest=_int(env, Env.CHECKPOINT_KEEP_LATEST, contract.DEFAULT_KEEP_LATEST),
+        keep_every_steps=_int(env, Env.CHECKPOINT_KEEP_EVERY_STEPS, contract.DEFAULT_KEEP_EVERY_STEPS),
+        save_on_preemption=_bool(env, Env.CHECKPOINT_SAVE_ON_PREEMPTION, contract.DEFAULT_SAVE_ON_PREEMPTION),
         resume=_resume(env),
-        overhead_budget_percent=_float(env, Env.CHECKPOINT_OVERHEAD_BUDGET_PERCENT, 5.0),
+        overhead_budget_percent=_float(
+            env, Env.CHECKPOINT_OVERHEAD_BUDGET_PERCENT, contract.DEFAULT_OVERHEAD_BUDGET_PERCENT
+        ),
         max_interval_seconds=_optional_float(env, Env.CHECKPOINT_MAX_INTERVAL_SECONDS),
         mtbf_seconds=_optional_float(env, Env.MTBF_SECONDS),
     )
