@@ -15,6 +15,7 @@ from kubernetes.client.exceptions import ApiException
 from tpujob_devcluster.controlplane import ControlPlane
 from tpujob_devcluster.fakegcs import FakeGcsServer
 from tpujob_operator import api, handlers
+from tpujob_operator.runtime import Runtime, RuntimeSettings
 
 pytestmark = pytest.mark.integration
 T = TypeVar("T")
@@ -34,9 +35,13 @@ def namespace(kube: client.ApiClient, unique_name: str) -> Iterator[str]:
 
 
 class OperatorThread:
-    """The real operator (kopf + our handlers) on its own event loop in a background thread."""
+    """The real operator (kopf + our handlers) on its own event loop in a background thread: a runtime
+    of its own (`runtime`, fresh clients and memory, as a new operator process has), built from `settings`."""
 
-    def __init__(self) -> None:
+    def __init__(self, settings: RuntimeSettings | None = None) -> None:
+        self.runtime = Runtime(settings)
+        self.registry = kopf.OperatorRegistry()
+        handlers.register(self.runtime, self.registry)
         self.stop_flag = threading.Event()
         self.ready_flag = threading.Event()
         self.thread = threading.Thread(target=self._run, name="tpujob-operator", daemon=True)
@@ -44,6 +49,7 @@ class OperatorThread:
     def _run(self) -> None:
         asyncio.run(
             kopf.operator(
+                registry=self.registry,
                 clusterwide=True,
                 standalone=True,
                 stop_flag=self.stop_flag,
@@ -66,12 +72,12 @@ class OperatorThread:
 @pytest.fixture
 def start_operator(
     control_plane: ControlPlane, fake_gcs_server: FakeGcsServer
-) -> Iterator[Callable[[], OperatorThread]]:
-    handlers.reset_clients()  # fresh clients for this control plane and emulator
+) -> Iterator[Callable[..., OperatorThread]]:
+    """Start an operator (each a new process, remembering nothing), optionally with its flags' settings."""
     started: list[OperatorThread] = []
 
-    def start() -> OperatorThread:
-        operator = OperatorThread().start()
+    def start(settings: RuntimeSettings | None = None) -> OperatorThread:
+        operator = OperatorThread(settings).start()
         started.append(operator)
         return operator
 
@@ -81,7 +87,7 @@ def start_operator(
 
 
 @pytest.fixture
-def operator(start_operator: Callable[[], OperatorThread]) -> OperatorThread:
+def operator(start_operator: Callable[..., OperatorThread]) -> OperatorThread:
     return start_operator()
 
 

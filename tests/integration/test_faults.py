@@ -14,7 +14,7 @@ import pytest
 from kubernetes import client
 from kubernetes.client.exceptions import ApiException
 from tpujob_contract import JOBSET_GROUP, JOBSET_PLURAL, JOBSET_VERSION, LABEL_UID
-from tpujob_operator import api, handlers
+from tpujob_operator import api
 from tpujob_operator.kube import Cluster as OperatorCluster
 from tpujob_operator.kube import Conflict
 
@@ -175,9 +175,9 @@ def test_nothing_is_remembered_of_a_job_once_it_is_deleted(operator, cluster, un
     first = eventually(lambda: cluster.jobset(f"{unique_name}-a0"), what="JobSet a0")
     cluster.fail_pod(first, slice_index=0, exit_code=1)
     key = (cluster.namespace, unique_name)
-    eventually(lambda: handlers.RUNTIME.remembered(key) > 1, what="the failed pod remembered")
+    eventually(lambda: operator.runtime.remembered(key) > 1, what="the failed pod remembered")
     cluster.custom.delete_namespaced_custom_object(api.GROUP, api.VERSION, cluster.namespace, api.PLURAL, unique_name)
-    eventually(lambda: handlers.RUNTIME.remembered(key) == 0, what="memory of the job dropped")
+    eventually(lambda: operator.runtime.remembered(key) == 0, what="memory of the job dropped")
 
 
 def test_a_record_claiming_a_commit_the_listing_does_not_show_never_pins_it(operator, cluster, unique_name):

@@ -13,7 +13,8 @@ from typing import Any
 import pytest
 from google.cloud import storage
 from kubernetes import client
-from tpujob_operator import checkpoints, handlers
+from tpujob_operator import checkpoints
+from tpujob_operator.runtime import RuntimeSettings
 
 from ..conftest import TEST_BUCKET
 from .conftest import eventually, training_job_manifest
@@ -76,9 +77,9 @@ def _write_progress(bucket: storage.Bucket, run: str, uid: str, step: int) -> No
 
 
 def test_training_jobs_cost_the_apiserver_no_periodic_list_or_get(
-    operator, cluster, kube, unique_name, fake_gcs_server
+    start_operator, cluster, kube, unique_name, fake_gcs_server
 ):
-    handlers.RUNTIME.progress_check_seconds = 1.0  # many checks in the quiet window below
+    start_operator(RuntimeSettings(progress_check_seconds=1.0))  # many checks in the quiet window below
     bucket = storage.Client(project="t", credentials=checkpoints.AnonymousCredentials()).bucket(TEST_BUCKET)
     names = [f"{unique_name}-{i}" for i in range(JOBS)]
     for name in names:

@@ -17,10 +17,10 @@ from google.cloud import storage
 from prometheus_client.parser import text_string_to_metric_families
 from tpujob_devcluster.controlplane import free_port
 from tpujob_operator import api, checkpoints
-from tpujob_operator.metrics import BADPUT_CAUSES, METRICS
+from tpujob_operator.metrics import BADPUT_CAUSES, OperatorMetrics
 
 from ..conftest import TEST_BUCKET
-from .conftest import eventually, training_job_manifest
+from .conftest import OperatorThread, eventually, training_job_manifest
 from .test_operator import Cluster
 
 pytestmark = pytest.mark.integration
@@ -32,9 +32,9 @@ def cluster(kube, namespace) -> Cluster:
 
 
 @pytest.fixture
-def metrics_server() -> Iterator[WSGIServer]:
+def metrics_server(operator: OperatorThread) -> Iterator[WSGIServer]:
     """The operator's own registry, served the way `--metrics-port` serves it (on a free loopback port)."""
-    server = METRICS.serve(0, "127.0.0.1")
+    server = operator.runtime.metrics.serve(0, "127.0.0.1")
     yield server
     server.shutdown()
     server.server_close()
@@ -50,8 +50,8 @@ def scrape(server: WSGIServer) -> dict[tuple[str, frozenset[tuple[str, str]]], f
     }
 
 
-def value(registry_name: str, **labels: str) -> float:
-    return METRICS.registry.get_sample_value(registry_name, labels) or 0.0
+def value(metrics: OperatorMetrics, registry_name: str, **labels: str) -> float:
+    return metrics.registry.get_sample_value(registry_name, labels) or 0.0
 
 
 def test_a_failed_worker_is_scraped_as_one_counted_application_error_restart(
@@ -59,7 +59,8 @@ def test_a_failed_worker_is_scraped_as_one_counted_application_error_restart(
 ):
     job = {"namespace": cluster.namespace, "name": unique_name}
     restart = {**job, "kind": "ApplicationError", "counted": "true"}
-    detections = value("tpujob_failure_detection_seconds_count", kind="ApplicationError")
+    metrics = operator.runtime.metrics
+    detections = value(metrics, "tpujob_failure_detection_seconds_count", kind="ApplicationError")
     bucket = storage.Client(project="t", credentials=AnonymousCredentials()).bucket(TEST_BUCKET)
     run = f"runs/{cluster.namespace}/{unique_name}/checkpoints/100"
     bucket.blob(f"{run}/state/manifest.ocdbt").upload_from_string(b"x" * 64)
@@ -72,8 +73,8 @@ def test_a_failed_worker_is_scraped_as_one_counted_application_error_restart(
     eventually(lambda: cluster.jobset(f"{unique_name}-a1"), what="JobSet a1")
     status = cluster.status(unique_name)
     assert (status["restarts"], status["lastFailure"]["kind"]) == (1, "ApplicationError")
-    assert value("tpujob_restarts_total", **restart) == 1
-    assert value("tpujob_failure_detection_seconds_count", kind="ApplicationError") == detections + 1
+    assert value(metrics, "tpujob_restarts_total", **restart) == 1
+    assert value(metrics, "tpujob_failure_detection_seconds_count", kind="ApplicationError") == detections + 1
 
     scraped = scrape(metrics_server)
     assert scraped[("tpujob_restarts_total", frozenset(restart.items()))] == 1

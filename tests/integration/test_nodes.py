@@ -17,7 +17,6 @@ from typing import Any
 
 import pytest
 from kubernetes import client
-from tpujob_operator import handlers
 from tpujob_operator.kube import NODE_LEASE_NAMESPACE
 from tpujob_operator.nodes import NODE_VERDICT_WAIT_SECONDS
 
@@ -109,8 +108,7 @@ def test_a_dead_host_is_node_lost_not_counted_and_a_restarted_operator_keeps_it(
     first = start_operator()
     cluster.apply(training_job_manifest(unique_name, restart={"backoffSeconds": 0, "maxRestarts": 0}))
     jobset = eventually(lambda: cluster.jobset(f"{unique_name}-a0"), what="JobSet a0")
-    first.stop()
-    handlers.reset_clients()  # the new operator remembers nothing
+    first.stop()  # the next operator (start_operator) remembers nothing
 
     for name in nodes:
         _create_node(cluster, name)
@@ -140,7 +138,6 @@ def test_a_dead_host_is_node_lost_not_counted_and_a_restarted_operator_keeps_it(
 
     # A third operator: the record stands as written (never re-classified), nothing is counted.
     second.stop()
-    handlers.reset_clients()
     start_operator()
     time.sleep(5)  # its start-up listing is reconciled in this window
     after = cluster.status(unique_name)

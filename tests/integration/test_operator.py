@@ -15,7 +15,7 @@ import pytest
 from google.cloud import storage
 from kubernetes import client
 from tpujob_contract import JOBSET_GROUP, JOBSET_PLURAL, JOBSET_VERSION
-from tpujob_operator import api, checkpoints, handlers
+from tpujob_operator import api, checkpoints
 from tpujob_operator.jobset import build_jobset
 
 from ..conftest import TEST_BUCKET
@@ -225,8 +225,7 @@ def test_a_job_failed_while_the_operator_was_down_loses_its_jobset_when_it_is_ba
         {"status": {"phase": "Failed", "conditions": [failed], "stage": "Finished"}},
     )  # fmt: skip
     assert cluster.jobset(f"{unique_name}-a0") is not None
-    handlers.reset_clients()  # a new operator process remembers nothing
-    start_operator()
+    start_operator()  # a new operator process, remembering nothing
     eventually(lambda: cluster.all_jobsets() == [], timeout=60, what="no JobSet left by the finished job")
     assert cluster.status(unique_name)["phase"] == "Failed"
 

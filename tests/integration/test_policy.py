@@ -16,7 +16,8 @@ from kubernetes import client, config
 from kubernetes.client.exceptions import ApiException
 from tpujob_contract import JOBSET_GROUP, JOBSET_PLURAL, JOBSET_VERSION
 from tpujob_devcluster.controlplane import tools_dir
-from tpujob_operator import api, handlers, policy
+from tpujob_operator import api, policy
+from tpujob_operator.runtime import RuntimeSettings
 
 from ..conftest import TEST_BUCKET
 from .conftest import eventually, training_job_manifest
@@ -175,10 +176,10 @@ def test_default_values_refuse_any_service_account_and_secret_refs_can_be_allowe
 
 def test_without_the_admission_policy_the_operator_refuses_and_reads_nothing(kube, start_operator, namespace):
     custom = client.CustomObjectsApi(kube)
-    handlers.RUNTIME.policy = policy.Policy(
+    refusing = policy.Policy(
         checkpoint_locations=(ALLOWED,), operator_namespace=namespace, operator_service_account="tpujob"
     )
-    start_operator()
+    start_operator(RuntimeSettings(policy=refusing))
     jobs = {
         "own-account": (
             training_job_manifest("own-account", serviceAccountName="tpujob"),
@@ -286,17 +287,14 @@ def test_a_tightened_policy_lets_the_running_attempt_finish_and_never_restarts_i
     its JobSet deleted with 5 s of grace, nothing saved). The attempt goes on with a PolicyViolation
     condition and Event; when it ends, the job is Failed/PolicyViolation instead of restarted."""
     cluster = Cluster(kube, namespace)
-    handlers.RUNTIME.policy = policy.Policy(checkpoint_locations=(ALLOWED,))
-    before = start_operator()
+    before = start_operator(RuntimeSettings(policy=policy.Policy(checkpoint_locations=(ALLOWED,))))
     cluster.apply(training_job_manifest("late", checkpoint=_IN))
     first = eventually(lambda: cluster.jobset("late-a0"), what="the first JobSet")
 
     # `helm upgrade` with a stricter policy: a new operator process, with the new flags.
     before.stop()
-    handlers.reset_clients()
     tightened = f"gs://{TEST_BUCKET}/other"
-    handlers.RUNTIME.policy = policy.Policy(checkpoint_locations=(tightened,))  # the job's location is outside
-    start_operator()
+    start_operator(RuntimeSettings(policy=policy.Policy(checkpoint_locations=(tightened,))))  # the job's is outside
     problem = policy.LOCATION_MESSAGE.format(directory=ALLOWED, allowed=tightened)
 
     def warned() -> dict[str, Any] | None:

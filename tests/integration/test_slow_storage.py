@@ -15,7 +15,7 @@ from datetime import UTC, datetime
 
 import pytest
 from kubernetes import client
-from tpujob_operator import handlers
+from tpujob_operator.runtime import RuntimeSettings
 
 from .conftest import eventually, training_job_manifest
 from .test_fleet import _running_worker
@@ -74,8 +74,7 @@ def test_a_failure_is_acted_on_within_seconds_while_the_operators_storage_does_n
     start_operator, cluster, unique_name, blackhole, monkeypatch
 ):
     monkeypatch.setenv("STORAGE_EMULATOR_HOST", blackhole)  # the operator's GCS client, made lazily, uses it
-    start_operator()
-    handlers.RUNTIME.progress_check_seconds = 1.0  # every job's check is due all the time
+    start_operator(RuntimeSettings(progress_check_seconds=1.0))  # every job's check is due all the time
     names = [f"{unique_name}-{i}" for i in range(JOBS)]
     one_slice = {"accelerator": "tpu-v5p-slice", "topology": "2x2x1", "slices": 1}
     for name in names:

@@ -32,7 +32,7 @@ from kubernetes.config import kube_config
 from tpujob_contract import JOBSET_GROUP, JOBSET_PLURAL, JOBSET_VERSION, LABEL_UID
 from tpujob_devcluster.controlplane import Component, ControlPlane, build_binaries
 from tpujob_devcluster.fakegcs import FakeGcsServer
-from tpujob_operator import api, checkpoints, handlers, resync
+from tpujob_operator import api, checkpoints, resync
 
 from ..conftest import REPO, TEST_BUCKET
 from .conftest import OperatorThread, eventually, training_job_manifest
@@ -141,7 +141,9 @@ def relay(plane: ControlPlane) -> Iterator[Relay]:
 
 
 @pytest.fixture
-def operator(plane: ControlPlane, relay: Relay, fake_gcs_server: FakeGcsServer, tmp_path: Path) -> Iterator[None]:
+def operator(
+    plane: ControlPlane, relay: Relay, fake_gcs_server: FakeGcsServer, tmp_path: Path
+) -> Iterator[OperatorThread]:
     """The in-process operator, configured to reach this module's apiserver through the relay."""
     kubeconfig = yaml.safe_load(plane.kubeconfig.read_text())
     kubeconfig["clusters"][0]["cluster"]["server"] = f"https://127.0.0.1:{relay.port}"
@@ -150,13 +152,11 @@ def operator(plane: ControlPlane, relay: Relay, fake_gcs_server: FakeGcsServer, 
     previous = os.environ.get("KUBECONFIG"), kube_config.KUBE_CONFIG_DEFAULT_LOCATION
     default = client.Configuration.get_default_copy()  # the operator's login replaces the client's default
     os.environ["KUBECONFIG"] = kube_config.KUBE_CONFIG_DEFAULT_LOCATION = str(relayed)
-    handlers.reset_clients()
-    running = OperatorThread().start()
+    running = OperatorThread().start()  # its own runtime: clients made with the relayed kubeconfig
     try:
-        yield
+        yield running
     finally:
         running.stop()
-        handlers.reset_clients()
         if previous[0] is None:
             os.environ.pop("KUBECONFIG", None)
         else:
@@ -251,7 +251,7 @@ def test_after_a_watch_gap_the_operator_acts_on_what_exists(operator, cluster, p
     steady_uid = cluster.training_job(steady)["metadata"]["uid"]
     _write_progress(f"runs/{ns}/{steady}", steady_uid, step=10)
     eventually(lambda: cluster.status(steady).get("phase") == "Running", what=f"{steady} Running")
-    pods = handlers.RUNTIME.indexes["pods"]
+    pods = operator.runtime.indexes["pods"]
     eventually(lambda: (ns, again) in pods, what=f"the operator sees {again}'s worker")
     before = {"steady": cluster.status(steady), "lost": cluster.jobset(f"{lost}-a0")["metadata"]["uid"]}
     # `gone` is backing off when the gap starts: the restart it then wants is due in the gap or soon after.
@@ -284,11 +284,11 @@ def test_after_a_watch_gap_the_operator_acts_on_what_exists(operator, cluster, p
         what=f"{lost}-a0 created again",
     )
     # The deleted job is forgotten: nothing remembered, and its due restart is never attempted.
-    eventually(lambda: handlers.RUNTIME.remembered((ns, gone)) == 0, timeout=30, what=f"{gone} forgotten")
+    eventually(lambda: operator.runtime.remembered((ns, gone)) == 0, timeout=30, what=f"{gone} forgotten")
     time.sleep(max(0.0, healed + 15 - time.monotonic()))  # past its due restart, and a retry of it
     assert _status_writes_answered_404(plane, ns, gone) <= 1
     assert cluster.jobset(f"{gone}-a1") is None  # nothing created for a job that no longer exists
-    assert handlers.RUNTIME.resync.asked["relist"] >= 1  # kopf's relist was noticed (whatever came first)
+    assert operator.runtime.resync.asked["relist"] >= 1  # kopf's relist was noticed (whatever came first)
     # The apiserver restart cost the running job nothing.
     after = cluster.status(steady)
     assert (after["phase"], after["attempt"], after["restarts"]) == ("Running", 0, 0)

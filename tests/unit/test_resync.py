@@ -10,8 +10,9 @@ from typing import Any, cast
 from kopf._core.engines.indexing import OperatorIndexer
 from tpujob_operator import resync
 from tpujob_operator.nodes import slim_node
+from tpujob_operator.observe import slim_jobset, slim_pod, slim_workload, without_managed_fields
 from tpujob_operator.resync import Before, Listed, apply, vanished
-from tpujob_operator.runtime import Runtime, slim_jobset, slim_pod, slim_workload, without_managed_fields
+from tpujob_operator.runtime import Runtime
 
 NS = "ml"
 GONE, AGAIN, ALIVE = (NS, "gone"), (NS, "again"), (NS, "alive")
@@ -53,8 +54,8 @@ def _runtime() -> tuple[Runtime, dict[str, OperatorIndexer]]:
     runtime = Runtime()
     runtime.indexes = {name: indexer.index for name, indexer in indexers.items()}
     runtime.watched |= {GONE, AGAIN, ALIVE}
-    runtime.read_at[AGAIN] = 1.0  # memory of the old incarnation
-    runtime.created[ALIVE]["alive-a1"] = _obj("alive-a1", "js-alive-a1")  # ours, never delivered by the watch
+    runtime.memory.of(AGAIN).read_at = 1.0  # memory of the old incarnation
+    runtime.memory.of(ALIVE).created["alive-a1"] = _obj("alive-a1", "js-alive-a1")  # ours, never delivered by the watch
     return runtime, indexers
 
 
@@ -95,8 +96,8 @@ def test_what_the_list_lacks_leaves_the_indexes_and_the_runtime():
     # The deleted job is forgotten; the re-created one is a new job: its old memory gone, reconciled now.
     assert outcome.forgotten == {GONE, AGAIN}
     assert runtime.remembered(GONE) == 0 and GONE not in runtime.watched
-    assert AGAIN in runtime.watched and AGAIN not in runtime.read_at
-    assert "alive-a1" not in runtime.created[ALIVE]  # our own creation, deleted before the watch told us
+    assert AGAIN in runtime.watched and runtime.memory.get(AGAIN) is None  # the old incarnation's memory gone
+    assert "alive-a1" not in runtime.memory.of(ALIVE).created  # our own creation, deleted before the watch told us
     assert due == {AGAIN, ALIVE}
     assert runtime.snapshot(ALIVE) is not None and runtime.snapshot(ALIVE).jobsets == []  # type: ignore[union-attr]
 
@@ -118,7 +119,7 @@ def test_a_job_known_only_from_our_own_write_is_forgotten_when_the_list_lacks_it
     runtime = Runtime()
     runtime.indexes = {"trainingjobs": OperatorIndexer().index}
     runtime.watch(GONE)
-    runtime.written[GONE] = _obj("gone", "tj-gone")
+    runtime.memory.of(GONE).written = _obj("gone", "tj-gone")
     outcome, due = _apply(runtime, Listed(uids={"trainingjobs": set()}, jobs=set()))
     assert outcome.forgotten == {GONE} and runtime.remembered(GONE) == 0 and due == set()
 

@@ -1,20 +1,13 @@
-"""The runtime's pure rules: which GCS reads a reconcile makes, how the caches and our own writes
-combine, which status is worth a write."""
+"""The shell's pure rules: which GCS reads a reconcile makes (observe.py), how the caches and our own
+writes combine, which status is worth a write (apply.py); what the runtime remembers of a job."""
 
 from datetime import UTC, datetime
 
 import pytest
+from tpujob_operator.apply import status_worth_writing
 from tpujob_operator.checkpoints import RunView, with_reported_commit
-from tpujob_operator.runtime import (
-    Reads,
-    Runtime,
-    merged_jobsets,
-    newest,
-    slim_jobset,
-    slim_pod,
-    status_worth_writing,
-    storage_reads,
-)
+from tpujob_operator.observe import Reads, merged_jobsets, newest, slim_jobset, slim_pod, storage_reads
+from tpujob_operator.runtime import Runtime
 
 from .factories import progress_record
 
@@ -141,13 +134,14 @@ def test_a_snapshot_joins_the_caches_with_our_own_writes_and_each_queued_jobset_
         "pods": {key: [{"metadata": {"name": "llama-a1-slice-0-0"}, "status": {"phase": "Pending"}}]},
         "workloads": {"js-1": [old_workload, new_workload]},
     }
-    runtime.written[key] = {"metadata": {"name": "llama", "resourceVersion": "9"}}  # our status write
-    runtime.deleted[key] = {"llama-a0", "llama-a-gone"}
-    runtime.ended_pods[key]["llama-a0-slice-0-0"] = {"metadata": {"name": "llama-a0-slice-0-0"}}
+    job = runtime.memory.of(key)
+    job.written = {"metadata": {"name": "llama", "resourceVersion": "9"}}  # our status write
+    job.deleted = {"llama-a0", "llama-a-gone"}
+    job.ended_pods["llama-a0-slice-0-0"] = {"metadata": {"name": "llama-a0-slice-0-0"}}
     snapshot = runtime.snapshot(key)
     assert snapshot is not None and snapshot.body["metadata"]["resourceVersion"] == "9"
     assert [js["metadata"]["name"] for js in snapshot.jobsets] == ["llama-a1"]
-    assert runtime.deleted[key] == {"llama-a0"}  # gone from the cache: no longer hidden
+    assert job.deleted == {"llama-a0"}  # gone from the cache: no longer hidden
     assert sorted(p["metadata"]["name"] for p in snapshot.pods) == ["llama-a0-slice-0-0", "llama-a1-slice-0-0"]
     assert snapshot.workloads == {"js-1": new_workload}
     runtime.forget(key)

@@ -1,7 +1,8 @@
 """`python -m tpujob_operator`: run the operator (kopf) with a liveness endpoint.
 
 With leader election (the default) the process first campaigns for the Lease and starts kopf only
-once it leads; losing the Lease ends the process (see leader.py).
+once it leads; losing the Lease ends the process (see leader.py). The runtime (runtime.py), its
+metrics and kopf's registry of handlers (handlers.register) are built here from the flags.
 """
 
 from __future__ import annotations
@@ -13,9 +14,9 @@ import os
 
 import kopf
 
-from . import handlers, leader, policy, runtime  # importing handlers registers them
+from . import handlers, leader, policy, runtime
 from .kube import load_config
-from .metrics import DEFAULT_PORT, METRICS
+from .metrics import DEFAULT_PORT, OperatorMetrics, process_registry
 
 log = logging.getLogger("tpujob")
 
@@ -83,13 +84,22 @@ def election_settings(args: argparse.Namespace, identity: str) -> leader.Electio
     )
 
 
+def runtime_settings(args: argparse.Namespace) -> runtime.RuntimeSettings:
+    return runtime.RuntimeSettings(
+        policy=args.policy,
+        default_queue=args.default_queue_name,
+        max_concurrent_reconciles=args.max_concurrent_reconciles,
+        progress_check_seconds=args.progress_check_seconds,
+        watch_kueue_workloads=args.watch_kueue_workloads,
+    )
+
+
 async def run(args: argparse.Namespace) -> None:
-    handlers.RUNTIME.policy = args.policy
-    handlers.RUNTIME.default_queue = args.default_queue_name
-    handlers.RUNTIME.schedule.limit = args.max_concurrent_reconciles
-    handlers.RUNTIME.progress_check_seconds = args.progress_check_seconds
-    if args.watch_kueue_workloads:
-        handlers.watch_kueue_workloads()
+    # The one runtime of this process, its metrics and its handlers: built here, handed down, no globals.
+    metrics = OperatorMetrics(process_registry())
+    operator = runtime.Runtime(runtime_settings(args), metrics)
+    registry = kopf.OperatorRegistry()
+    handlers.register(operator, registry)
     log.info("policy: %s", args.policy)
     if args.leader_elect:
         load_config()  # the client's LeaseLock uses the default API client
@@ -100,10 +110,11 @@ async def run(args: argparse.Namespace) -> None:
         await leader.wait_until_leading(elector, args.liveness)
     if args.metrics_port:  # only the leader reconciles, so only it has metrics to serve
         try:
-            METRICS.serve(args.metrics_port)
+            metrics.serve(args.metrics_port)
         except OSError as error:  # metrics are not worth a crash loop that would stop reconciling
             log.error("cannot serve metrics on port %d: %s", args.metrics_port, error)
     await kopf.operator(
+        registry=registry,
         clusterwide=not args.namespace,
         namespaces=args.namespace or [],
         liveness_endpoint=args.liveness,

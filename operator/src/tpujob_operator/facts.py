@@ -119,3 +119,11 @@ class Actions:
     requeue_after: float | None = None
     # Decide again on a fresh read of storage, though nothing else changes (a completion to confirm).
     fresh_storage: bool = False
+
+
+@dataclass(frozen=True)
+class CreationRefused:
+    """The apiserver refused the attempt's JobSet (what apply saw; the next decision reads it)."""
+
+    message: str
+    code: int | None = None  # the HTTP status of the refusal; None: a foreign JobSet holds the name

@@ -12,6 +12,9 @@ Cardinality stays bounded by the live jobs:
   that a scrape still sees its last increment, and are removed after that (at the next reconcile or
   `forget`; an idle operator keeps them until it restarts). Counters start from zero when the
   operator process restarts, as every Prometheus counter does.
+
+No module-level instance: `__main__` builds one on `process_registry()` and hands it to the runtime;
+tests build their own on a fresh CollectorRegistry.
 """
 
 from __future__ import annotations
@@ -26,7 +29,15 @@ from dataclasses import dataclass
 from datetime import datetime
 from wsgiref.simple_server import WSGIServer
 
-from prometheus_client import REGISTRY, CollectorRegistry, Counter, Histogram, start_http_server
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    GCCollector,
+    Histogram,
+    PlatformCollector,
+    ProcessCollector,
+    start_http_server,
+)
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.metrics_core import Metric
 from prometheus_client.registry import Collector
@@ -272,5 +283,10 @@ class _LiveJobsCollector(Collector):
         return self._metrics.gauges({})
 
 
-# The operator's metrics, on the default registry (with the process and Python collectors).
-METRICS = OperatorMetrics(REGISTRY)
+def process_registry() -> CollectorRegistry:
+    """A registry with what prometheus_client's default one holds: the process and Python collectors."""
+    registry = CollectorRegistry()
+    ProcessCollector(registry=registry)
+    PlatformCollector(registry=registry)
+    GCCollector(registry=registry)
+    return registry

@@ -28,7 +28,7 @@ from .api import (
     TrainingJob,
     TrainingJobStatus,
 )
-from .facts import Actions, Event, JobSetFacts, Observed, PodFacts
+from .facts import Actions, CreationRefused, Event, JobSetFacts, Observed, PodFacts
 from .jobset import jobset_name
 from .restarts import (
     TERMINAL_KINDS,
@@ -698,3 +698,18 @@ def with_creation_refused(status: TrainingJobStatus, message: str, permanent: bo
         status = status.model_copy(update={"completion_time": rfc3339(now)})
         return _enter(status, "Failed", "JobSetRefused", text, "Finished", now)
     return with_phase(status, "Pending", "JobSetRefused", text, now)
+
+
+# Refusals that only a spec change can fix; others (quota: 403, overload: 429/5xx) may pass later.
+PERMANENT_REFUSALS = (400, 422)
+
+
+def after_creation_refused(
+    status: TrainingJobStatus, refused: CreationRefused, now: datetime
+) -> tuple[TrainingJobStatus, Actions]:
+    """The decision on a JobSet the apiserver refused (apply's observation): Failed if only a spec
+    change can fix it (a foreign JobSet holding the name is not one: it may go), else Pending and
+    tried again; a JobSetRefused Event either way."""
+    permanent = refused.code in PERMANENT_REFUSALS
+    told = Actions(events=[Event("Warning", "JobSetRefused", refused.message)])
+    return with_creation_refused(status, refused.message, permanent, now), told

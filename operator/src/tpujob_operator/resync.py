@@ -141,13 +141,14 @@ class Outcome:
 
 
 def remember(runtime: Runtime) -> Before:
+    jobs = list(runtime.memory.items())
     created = {
         (key, name): str(body["metadata"].get("uid"))
-        for key, names in runtime.created.items()
-        for name, body in names.items()
+        for key, job in jobs
+        for name, body in job.created.items()
         if body["metadata"].get("uid")
     }
-    written = {key: str(body["metadata"].get("uid")) for key, body in runtime.written.items()}
+    written = {key: str(job.written["metadata"].get("uid")) for key, job in jobs if job.written is not None}
     return Before(
         {name: indexed(index) for name, index in runtime.indexes.items()}, set(runtime.watched), created, written
     )
@@ -220,8 +221,9 @@ def apply(runtime: Runtime, before: Before, listed: Listed) -> Outcome:
         jobsets = listed.uids.get("jobsets")
         forgotten |= {key for key, uid in before.written.items() if uid not in listed.uids["trainingjobs"]}
         for (key, name), uid in before.created.items():
-            if jobsets is not None and uid not in jobsets and name in runtime.created.get(key, {}):
-                del runtime.created[key][name]  # created by us, deleted before the watch delivered it
+            job = runtime.memory.get(key)
+            if jobsets is not None and uid not in jobsets and job is not None and name in job.created:
+                del job.created[name]  # created by us, deleted before the watch delivered it
                 affected.add(key)
     for key in forgotten:
         runtime.forget(key)

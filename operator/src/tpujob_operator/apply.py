@@ -1,0 +1,160 @@
+"""Apply: a decision's status and `Actions` turned into API calls, and nothing else.
+
+What the watch has not delivered yet of our own writes is remembered (`JobMemory.written`, `created`,
+`deleted`) so that the next snapshot shows it. A JobSet the apiserver refuses (4xx, or a foreign JobSet
+holding its name) is recorded as an observation (`JobMemory.refused`) for the next decision
+(`reconcile.after_creation_refused`); apply decides nothing about it.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Callable
+from typing import Any
+
+from kubernetes.client.exceptions import ApiException
+
+from . import api
+from .facts import Actions, CreationRefused, Event
+from .jobset import build_jobset, incarnation_uid
+from .kube import Cluster
+from .memory import JobMemory
+from .observe import slim_jobset
+from .schedule import JobKey
+from .status import parse_time
+
+log = logging.getLogger("tpujob")
+# Status that differs only in the goodput ledger's clock is written at most this often.
+GOODPUT_WRITE_SECONDS = 60.0
+
+
+def changes_the_world(actions: Actions) -> bool:
+    return bool(actions.create_attempt is not None or actions.delete or actions.stop or actions.set_suspend)
+
+
+def is_acting(actions: Actions) -> bool:
+    return changes_the_world(actions) or bool(actions.events)
+
+
+def status_worth_writing(stored: dict[str, Any], decided: dict[str, Any], acting: bool) -> bool:
+    """Write a changed status, except one that changed only by the goodput ledger's clock while that
+    was written less than GOODPUT_WRITE_SECONDS ago (the next write accounts for the time between:
+    the ledger advances from what is stored)."""
+    if stored == decided:
+        return False
+    if acting or {k: v for k, v in stored.items() if k != "goodput"} != {
+        k: v for k, v in decided.items() if k != "goodput"
+    }:
+        return True
+    before = parse_time((stored.get("goodput") or {}).get("updatedAt"))
+    after = parse_time((decided.get("goodput") or {}).get("updatedAt"))
+    return before is None or after is None or (after - before).total_seconds() >= GOODPUT_WRITE_SECONDS
+
+
+def dump(status: api.TrainingJobStatus) -> dict[str, Any]:
+    return status.model_dump(by_alias=True, exclude_none=True, mode="json")
+
+
+def refusal_message(error: ApiException) -> str:
+    try:
+        return str(json.loads(error.body or "{}").get("message") or error.reason)
+    except (TypeError, ValueError):
+        return str(error.reason or error)
+
+
+class Applier:
+    """The API calls of a decision, in the order `Actions` names (status first, on the version the
+    decision was made from)."""
+
+    def __init__(self, cluster: Callable[[], Cluster], on_gone: Callable[[], None]) -> None:
+        self.cluster = cluster
+        self.on_gone = on_gone  # a status write answered 404: the job is gone, perhaps in a watch gap
+
+    def status(
+        self, job: JobMemory, body: dict[str, Any], decided: api.TrainingJobStatus, acting: bool
+    ) -> dict[str, Any]:
+        """Write the decided status if it is worth a write; the body as it now stands. If anyone changed
+        the job since it was read, the write fails (Conflict) and nothing else is applied."""
+        if status_worth_writing(body.get("status") or {}, dump(decided), acting):
+            return self.write_status(job, body, decided)
+        return body
+
+    def write_status(self, job: JobMemory, body: dict[str, Any], status: api.TrainingJobStatus) -> dict[str, Any]:
+        try:
+            written = job.written = self.cluster().replace_status(body, dump(status))
+        except ApiException as error:
+            if error.status == 404:  # deleted, perhaps in a watch gap: the resync forgets it (and what it left)
+                self.on_gone()
+            raise
+        return written
+
+    def effects(
+        self,
+        key: JobKey,
+        job: JobMemory,
+        tj: api.TrainingJob,
+        body: dict[str, Any],
+        actions: Actions,
+        queue: str | None,
+    ) -> None:
+        """Everything after the status write: delete, stop, create, events, suspend."""
+        self.tear_down(key, job, actions)
+        if actions.create_attempt is not None:
+            self._create(job, tj, actions.create_attempt, actions.resume_step, queue)
+        # Events before the suspension they announce: an operator that dies after the status write
+        # leaves it undone, and the next reconcile (or replica) decides it again, Event included.
+        for event in actions.events:
+            self.post_event(body, event)
+        if actions.set_suspend is not None:
+            self.cluster().set_jobset_suspend(tj.namespace, *actions.set_suspend)
+
+    def tear_down(self, key: JobKey, job: JobMemory, actions: Actions) -> None:
+        kube = self.cluster()
+        for name in actions.delete:
+            kube.delete_jobset(key[0], name)
+            job.deleted.add(name)
+        for name in actions.stop:
+            kube.delete_jobset(key[0], name, save=True)
+            job.deleted.add(name)
+
+    def _create(self, job: JobMemory, tj: api.TrainingJob, attempt: int, resume: int | None, queue: str | None) -> None:
+        """Create the attempt's JobSet; a refusal is remembered (`job.refused`), an overload (429/5xx) raised."""
+        kube = self.cluster()
+        manifest = build_jobset(tj, attempt, resume, queue)
+        name = manifest["metadata"]["name"]
+        existing = False
+        try:
+            created = kube.create_jobset(tj.namespace, manifest)
+            if created is None:  # one of that name exists: ours only if it carries this job's uid
+                existing, created = True, kube.get_jobset(tj.namespace, name)
+        except ApiException as error:
+            if error.status is None or error.status >= 500 or error.status == 429:
+                raise
+            job.refused = CreationRefused(refusal_message(error), error.status)
+            return
+        if existing and created is not None:
+            owner = incarnation_uid(created)
+            if owner != tj.metadata.get("uid"):
+                job.refused = CreationRefused(
+                    f"a JobSet named {name} already exists and is not this TrainingJob's "
+                    + (f"(it belongs to TrainingJob uid {owner})" if owner else "(no TrainingJob owns it)")
+                )
+                return
+            log.info("JobSet %s already exists (adopted: it carries this job's uid)", name)
+        if created is not None:
+            job.created[name] = slim_jobset(created)
+
+    def post_event(self, body: dict[str, Any], event: Event) -> None:
+        """Events are told, never required: one that cannot be posted (a namespace being deleted, an
+        overloaded apiserver) is logged and the reconcile goes on."""
+        try:
+            self.cluster().post_event(body, event.type, event.reason, event.message)
+        except ApiException as error:
+            log.warning(
+                "%s/%s: Event %s not posted: %s",
+                body["metadata"].get("namespace"),
+                body["metadata"]["name"],
+                event.reason,
+                error.reason,
+            )
