@@ -3,11 +3,15 @@ writes combine, which status is worth a write (apply.py); what the runtime remem
 
 from datetime import UTC, datetime
 
+import kopf
 import pytest
+from tpujob_operator import api, handlers
 from tpujob_operator.apply import status_worth_writing
 from tpujob_operator.checkpoints import RunView, with_reported_commit
+from tpujob_operator.facts import CreationRefused
 from tpujob_operator.observe import Reads, merged_jobsets, newest, slim_jobset, slim_pod, storage_reads
-from tpujob_operator.runtime import Runtime
+from tpujob_operator.reconcile import after_creation_refused
+from tpujob_operator.runtime import PROGRESS_CHECK_SECONDS, Runtime, RuntimeSettings
 
 from .factories import progress_record
 
@@ -146,3 +150,38 @@ def test_a_snapshot_joins_the_caches_with_our_own_writes_and_each_queued_jobset_
     assert snapshot.workloads == {"js-1": new_workload}
     runtime.forget(key)
     assert runtime.remembered(key) == 0 and runtime.snapshot(("ml", "other")) is None
+
+
+def test_what_is_remembered_of_a_job_is_one_object_dropped_with_one_forget():
+    key, other = ("ml", "llama"), ("ml", "other")
+    runtime = Runtime()
+    runtime.watch(key)
+    runtime.worker_ended(key, {"metadata": {"name": "llama-a0-slice-0-0"}, "status": {"phase": "Failed"}})
+    job = runtime.memory.of(key)
+    job.read_at, job.created["llama-a1"] = 1.0, _js("llama-a1")
+    runtime.memory.of(other).read_at = 2.0
+    # watched, the ended pod, when it was seen ending, the read, the creation
+    assert runtime.remembered(key) == 5 and job.ending_since is not None
+    runtime.forget(key)
+    assert runtime.remembered(key) == 0 and runtime.memory.get(key) is None
+    assert runtime.memory.held(other) == 1  # another job's memory is its own
+
+
+def test_a_refused_jobset_is_decided_by_the_apiservers_answer():
+    status = api.TrainingJobStatus(phase="Pending", attempt=1, job_set_name="llama-a1")
+    for code, phase in ((422, "Failed"), (400, "Failed"), (403, "Pending"), (None, "Pending")):
+        decided, told = after_creation_refused(status, CreationRefused("no", code), T0)
+        assert decided.phase == phase, code
+        assert [(e.type, e.reason, e.message) for e in told.events] == [("Warning", "JobSetRefused", "no")]
+        assert (told.create_attempt, told.delete, told.set_suspend) == (None, [], None)  # nothing else to do
+
+
+def test_each_runtime_has_its_own_handlers_settings_and_metrics():
+    quick, plain = Runtime(RuntimeSettings(progress_check_seconds=1.0, watch_kueue_workloads=True)), Runtime()
+    registries = kopf.OperatorRegistry(), kopf.OperatorRegistry()
+    handlers.register(quick, registries[0])
+    handlers.register(plain, registries[1])
+    indexes = [[h.id for h in r._indexing.get_all_handlers()] for r in registries]
+    assert indexes[0] == [*indexes[1], "tpujob_workloads"]  # only where the flag asks for the Workloads watch
+    assert quick.metrics.registry is not plain.metrics.registry
+    assert (quick.observer.check_seconds, plain.observer.check_seconds) == (1.0, PROGRESS_CHECK_SECONDS)
