@@ -64,8 +64,8 @@ def refusal_message(error: ApiException) -> str:
 
 
 class Applier:
-    """The API calls of a decision, in the order `Actions` names (status first, on the version the
-    decision was made from)."""
+    """The API calls of a decision; the runtime makes them in the order `Actions` names (status
+    first, on the version the decision was made from)."""
 
     def __init__(self, cluster: Callable[[], Cluster], on_gone: Callable[[], None]) -> None:
         self.cluster = cluster
@@ -89,21 +89,9 @@ class Applier:
             raise
         return written
 
-    def effects(
-        self,
-        key: JobKey,
-        job: JobMemory,
-        tj: api.TrainingJob,
-        body: dict[str, Any],
-        actions: Actions,
-        queue: str | None,
-    ) -> None:
-        """Everything after the status write: delete, stop, create, events, suspend."""
-        self.tear_down(key, job, actions)
-        if actions.create_attempt is not None:
-            self._create(job, tj, actions.create_attempt, actions.resume_step, queue)
-        # Events before the suspension they announce: an operator that dies after the status write
-        # leaves it undone, and the next reconcile (or replica) decides it again, Event included.
+    def announce(self, tj: api.TrainingJob, body: dict[str, Any], actions: Actions) -> None:
+        """The decision's Events, then its suspension: an operator that dies after the status write
+        leaves both undone, and the next reconcile (or replica) decides them again, Events included."""
         for event in actions.events:
             self.post_event(body, event)
         if actions.set_suspend is not None:
@@ -118,7 +106,7 @@ class Applier:
             kube.delete_jobset(key[0], name, save=True)
             job.deleted.add(name)
 
-    def _create(self, job: JobMemory, tj: api.TrainingJob, attempt: int, resume: int | None, queue: str | None) -> None:
+    def create(self, job: JobMemory, tj: api.TrainingJob, attempt: int, resume: int | None, queue: str | None) -> None:
         """Create the attempt's JobSet; a refusal is remembered (`job.refused`), an overload (429/5xx) raised."""
         kube = self.cluster()
         manifest = build_jobset(tj, attempt, resume, queue)

@@ -234,12 +234,16 @@ class Runtime:
         # knows the attempt it is on. Status that changed only by the goodput clock waits a while.
         body = self.applier.status(job, body, status, is_acting(actions))
         self.metrics.observe_reconcile(tj.namespace, tj.name, tj.status, status, datetime.now(UTC))
-        self.applier.effects(key, job, tj, body, actions, queue)
-        if (refused := job.refused) is not None:  # what apply saw, decided on at once
-            job.refused = None
-            after, told = after_creation_refused(status, refused, datetime.now(UTC))
-            body = self.applier.write_status(job, body, after)
-            self.applier.effects(key, job, tj, body, told, queue)
+        # Then, in the order Actions names: the failed attempt's JobSet is gone before its replacement
+        # exists; the Events come before the suspension they announce.
+        self.applier.tear_down(key, job, actions)
+        if actions.create_attempt is not None:
+            self.applier.create(job, tj, actions.create_attempt, actions.resume_step, queue)
+            if (refused := job.refused) is not None:  # what apply saw, decided on at once
+                job.refused = None
+                after, told = after_creation_refused(status, refused, datetime.now(UTC))
+                self.applier.announce(tj, self.applier.write_status(job, body, after), told)
+        self.applier.announce(tj, body, actions)
 
     def _release(
         self, key: JobKey, job: JobMemory, uid: str | None, status: api.TrainingJobStatus, snapshot: Snapshot
