@@ -4,6 +4,7 @@ imports without a circle whichever module is imported first."""
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 import typing
@@ -92,11 +93,23 @@ def test_refusals_are_the_adapters(change):
     assert frameworks.adapter("maxtext").refusals(as_maxtext) == admission.refusals(as_maxtext) != []
 
 
-@pytest.mark.parametrize(
-    "first", ["tpujob_operator.api", "tpujob_operator.frameworks.maxtext", "tpujob_operator.jobset"]
-)
+@pytest.mark.parametrize("first", ["tpujob_operator.api", "tpujob_operator.frameworks.maxtext"])
 def test_imports_without_a_circle_whichever_module_comes_first(first):
     """api.py imports frameworks/admission.py (running frameworks/__init__.py and the adapters): an
     adapter that imported api.py at run time would find it half built."""
     code = f"import {first}; from tpujob_operator import api, frameworks; frameworks.for_job"
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+
+
+def test_no_branch_on_the_framework_outside_the_adapters():
+    """What differs between frameworks is asked of the adapter (frameworks/), never tested elsewhere."""
+    package = ROOT / "operator" / "src" / "tpujob_operator"
+    branch = re.compile(r"\bframework\s*(==|!=|\bin\b)|\bFRAMEWORK\b")
+    found = [
+        f"{path.relative_to(package)}:{number}: {line.strip()}"
+        for path in sorted(package.rglob("*.py"))
+        if "frameworks" not in path.relative_to(package).parts
+        for number, line in enumerate(path.read_text().splitlines(), 1)
+        if branch.search(line)
+    ]
+    assert found == []

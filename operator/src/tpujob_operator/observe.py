@@ -18,7 +18,7 @@ from typing import Any, TypeVar, cast
 import tpujob_contract as contract
 from tpujob_contract import LABEL_ATTEMPT, QUEUE_LABEL
 
-from . import api, checkpoints, maxtext, nodes
+from . import api, checkpoints, frameworks, nodes
 from .facts import JobSetFacts, NodeFacts, Observed
 from .jobset import expected_pods, incarnation_uid, jobset_facts, queue_name, workload_admission
 from .kube import Cluster
@@ -239,22 +239,6 @@ def _age(jobset: dict[str, Any]) -> float:
     return (datetime.now(UTC) - moment).total_seconds() if moment else 0.0
 
 
-# -- the framework's reads (MaxText writes no progress record) -----------------------------------------------
-# Two branches on the framework, both here: the frameworks/ adapters replace them.
-
-
-def _framework_reads(tj: api.TrainingJob, reads: Reads) -> Reads:
-    """The reads the job's framework needs for what `storage_reads` asked."""
-    if tj.spec.framework == maxtext.FRAMEWORK:  # MaxText's progress is read from the listing
-        return Reads(progress=False, listing=reads.progress or reads.listing)
-    return reads
-
-
-def _reads_framework_progress(tj: api.TrainingJob) -> bool:
-    """Whether the job's progress comes from its framework's own files rather than the record."""
-    return tj.spec.framework == maxtext.FRAMEWORK
-
-
 # -- observe -----------------------------------------------------------------------------------------------
 
 
@@ -314,9 +298,10 @@ class Observer:
                 admission = workload_admission(workload) if workload else (None, None)
             facts.append(jobset_facts(js, attempt_pods if current else [], refused, admission))
         news = reads.listing or deciding or view.progress is None
-        if _reads_framework_progress(tj) and error is None and news:  # it writes no record
+        framework = frameworks.for_job(tj)
+        if framework.progress_from_listing and error is None and news:  # it writes no record
             try:
-                read = partial(self._maxtext_progress, tj, view.latest_committed_step, list(facts))
+                read = partial(self._framework_progress, framework, tj, view.latest_committed_step, list(facts))
                 progress = self._bounded(key, tj, f"reading {tj.run_dir}", read)
                 job.run = replace(view, progress=progress)
             except checkpoints.StorageError as failure:
@@ -346,7 +331,8 @@ class Observer:
             progress_age=None if job.read_at is None else now - job.read_at,
             check_seconds=self.check_seconds,
         )
-        reads = _framework_reads(tj, reads)
+        if frameworks.for_job(tj).progress_from_listing:  # no record to read: its progress is the listing's
+            reads = Reads(progress=False, listing=reads.progress or reads.listing)
         if reads.progress or reads.listing:
             job.read_at = time.monotonic()
 
@@ -366,10 +352,10 @@ class Observer:
         job.run = view
         return view, reads
 
-    def _maxtext_progress(
-        self, tj: api.TrainingJob, latest: int | None, facts: list[JobSetFacts]
+    def _framework_progress(
+        self, framework: frameworks.Framework, tj: api.TrainingJob, latest: int | None, facts: list[JobSetFacts]
     ) -> contract.ProgressRecord | None:
-        return maxtext.read_progress(self.storage(), tj, latest, facts)
+        return framework.read_progress(self.storage(), tj, latest, facts)  # the client is made in the read's thread
 
     def _bounded(self, key: JobKey, tj: api.TrainingJob, what: str, read: Callable[[], T]) -> T:
         """A GCS read that waits as long as the job's run may (schedule lane: news briefly)."""
