@@ -34,7 +34,7 @@ def _observe(tj: Any) -> Any:
         cluster=no_cluster,
         storage=lambda: client,
         reads=BoundedReads(),
-        lane=lambda key: "check",
+        lane=lambda key: "checks",
         check_seconds=1.0,
         default_queue=None,
     )
