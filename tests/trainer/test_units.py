@@ -212,6 +212,26 @@ def test_progress_record_and_line() -> None:
     assert progress.progress_line(12, 100, 1.5, 3.0, None) == "step 12/100 loss 1.5000 steps/s 3.00 last_committed none"
 
 
+def test_the_attempt_builds_the_contract_record_itself() -> None:
+    status = progress.AttemptProgress(attempt=3, uid="0b5e-uid", process_started_at="2026-11-30T12:00:00.000000Z")
+    assert status.record().state == "failed"  # until the attempt ends otherwise
+    status.update(storage_ready_at="2026-11-30T12:00:02.000000Z")
+    status.moved_to_quarantine(30, "gs://b/ns/job/quarantine/30")
+    status.restored(20, (contract.RestoreFailure(30, "ValueError: broken"),))
+    status.save_blocked(0.25)
+    status.save_blocked(0.0004)
+    status.save_failed()
+    status.step = 25
+    record = status.record("running")
+    assert (record.step, record.attempt, record.uid, record.state) == (25, 3, "0b5e-uid", "running")
+    assert (record.restored_step, record.resumed_from_step, record.save_failures) == (20, 20, 1)
+    assert record.quarantined == (contract.QuarantinedStep(30, "gs://b/ns/job/quarantine/30"),)
+    assert record.save_blocking_seconds == 0.25 and record.storage_ready_at == "2026-11-30T12:00:02.000000Z"
+    assert contract.from_json(contract.to_json(record)) == record  # what the operator reads back
+    with pytest.raises(TypeError):
+        status.update(no_such_field=1)  # a field the contract does not declare is refused
+
+
 def test_progress_writer_overwrites_atomically_and_checks_commit(tmp_path: Path) -> None:
     writer = progress.ProgressWriter(str(tmp_path), committed=lambda step: step == 10)
     base = dict(loss=1.0, steps_per_second=1.0, last_committed_step=None, attempt=0, resumed_from_step=None)

@@ -13,7 +13,6 @@ Exit codes (the operator classifies failures by them):
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import os
 import socket
@@ -38,6 +37,7 @@ from tpujob_trainer.checkpointing import (
 from tpujob_trainer.config import Config, ConfigError, parse_config
 from tpujob_trainer.data import batch_for_step
 from tpujob_trainer.failures import CheckpointMismatch, Kind, classify
+from tpujob_trainer.progress import AttemptProgress
 from tpujob_trainer.train import State, Trainer, make_mesh
 
 log = logging.getLogger("tpujob_trainer")
@@ -115,55 +115,17 @@ def _own_bind_address(coordinator_address: str | None) -> str | None:
         return None
 
 
-@dataclasses.dataclass
-class _Status:
-    """What progress.json reports; updated by the training loop."""
-
-    attempt: int = 0
-    uid: str = ""
-    step: int = 0
-    loss: float | None = None
-    steps_per_second: float | None = None
-    resumed_from: int | None = None
-    restore_failures: list[contract.RestoreFailure] = dataclasses.field(default_factory=list)
-    quarantined: list[contract.QuarantinedStep] = dataclasses.field(default_factory=list)
-    storage_denied: str | None = None
-    save_failures: int = 0
-    outcome: contract.State = "failed"
-    # The attempt's start-up, as the goodput ledger splits it (RFC 3339), and the time saves blocked.
-    process_started_at: str = dataclasses.field(default_factory=contract.now_rfc3339)
-    storage_ready_at: str | None = None
-    restore_started_at: str | None = None
-    restore_finished_at: str | None = None
-    first_step_at: str | None = None
-    save_blocking_seconds: float = 0.0
-    cadence: checkpointing.AdaptiveCadence | None = None  # policy "adaptive"
-
-    def record(self, state: contract.State) -> contract.ProgressRecord:
-        return contract.ProgressRecord(
-            step=self.step, loss=self.loss, steps_per_second=self.steps_per_second, last_committed_step=None,
-            attempt=self.attempt, resumed_from_step=self.resumed_from, updated_at=contract.now_rfc3339(),
-            state=state, uid=self.uid, restored_step=self.resumed_from,
-            restore_failures=tuple(self.restore_failures), quarantined=tuple(self.quarantined),
-            storage_denied=self.storage_denied, save_failures=self.save_failures,
-            process_started_at=self.process_started_at, storage_ready_at=self.storage_ready_at,
-            restore_started_at=self.restore_started_at, restore_finished_at=self.restore_finished_at,
-            first_step_at=self.first_step_at, save_blocking_seconds=round(self.save_blocking_seconds, 3),
-            **(self.cadence.record_fields() if self.cadence else {}),
-        )  # fmt: skip
-
-
-def _open_manager(cfg: Config, notice: PreemptionNotice, status: _Status) -> CheckpointManager | None:
+def _open_manager(cfg: Config, notice: PreemptionNotice, status: AttemptProgress) -> CheckpointManager | None:
     if not (cfg.run_dir and cfg.checkpoint):
         log.warning("TPUJOB_RUN_DIR is not set: training without checkpoints")
         return None
     _wait_for_storage(cfg)
-    status.storage_ready_at = contract.now_rfc3339()
-    log.info("checkpoints: %s/checkpoints, %s", cfg.run_dir, cfg.checkpoint)
+    status.update(storage_ready_at=contract.now_rfc3339())
+    log.info("checkpoints: %s, %s", contract.checkpoints_dir(cfg.run_dir), cfg.checkpoint)
     options = checkpointing.manager_options(cfg.checkpoint)
     if policy := checkpointing.adaptive_policy(options):
         status.cadence = checkpointing.AdaptiveCadence(cfg.checkpoint, policy, announce=jax.process_index() == 0)
-    return CheckpointManager(f"{cfg.run_dir}/checkpoints", options, notice)
+    return CheckpointManager(contract.checkpoints_dir(cfg.run_dir), options, notice)
 
 
 def _wait_for_storage(cfg: Config) -> None:
@@ -183,12 +145,12 @@ def _storage_ok(cfg: Config) -> bool:
     return True
 
 
-def _restore_or_init(cfg: Config, trainer: Trainer, mngr: CheckpointManager | None, status: _Status) -> State:
+def _restore_or_init(cfg: Config, trainer: Trainer, mngr: CheckpointManager | None, status: AttemptProgress) -> State:
     """Restore the committed step the resume value names, falling back to older ones only when its
     data is damaged; or a fresh state. Never deletes a committed step: one that is given up is
     moved aside, bytes kept (checkpointing.restore_with_fallback, _move_aside).
 
-    Sets status.resumed_from, restore_failures and quarantined; raises CheckpointIncompatible
+    Sets the record's restored step, restore failures and quarantined steps; raises CheckpointIncompatible
     (exit 4) when no committed step can be restored.
     """
     resume = cfg.checkpoint.resume if cfg.checkpoint else contract.LATEST
@@ -224,19 +186,19 @@ def _restore_or_init(cfg: Config, trainer: Trainer, mngr: CheckpointManager | No
 
     def quarantine(step: int) -> str:
         where = _move_aside(cfg, mngr, step, contract.QUARANTINE_DIR)
-        status.quarantined.append(contract.QuarantinedStep(step, where))
+        status.moved_to_quarantine(step, where)
         return where
 
-    status.restore_started_at = contract.now_rfc3339()
+    status.update(restore_started_at=contract.now_rfc3339())
     try:
         restored = checkpointing.restore_with_fallback(
             restore, candidates, lambda: _storage_ok(cfg), lambda: _wait_for_storage(cfg), quarantine
         )
     except CheckpointIncompatible as err:
-        status.restore_failures = list(err.failures)
+        status.update(restore_failures=tuple(err.failures))
         raise
-    status.restore_finished_at = contract.now_rfc3339()
-    status.resumed_from, status.restore_failures = restored.step, restored.failures
+    status.update(restore_finished_at=contract.now_rfc3339())
+    status.restored(restored.step, tuple(restored.failures))
     state: State = restored.state
     return state
 
@@ -260,7 +222,7 @@ def _move_aside(cfg: Config, mngr: CheckpointManager, step: int, folder: str) ->
     return where
 
 
-def _save(mngr: CheckpointManager, step: int, state: State, status: _Status) -> float | None:
+def _save(mngr: CheckpointManager, step: int, state: State, status: AttemptProgress) -> float | None:
     """One save decision: the seconds the loop was blocked if a save started, else None. A failed
     save is logged and counted, and the next decision retries.
 
@@ -282,10 +244,10 @@ def _save(mngr: CheckpointManager, step: int, state: State, status: _Status) -> 
             started = mngr.save(step, args=ocp.args.StandardSave(state))
         finally:
             blocked = time.monotonic() - blocked_from
-            status.save_blocking_seconds += blocked
+            status.save_blocked(blocked)
         return blocked if started else None
     except Exception as err:
-        status.save_failures += 1
+        status.save_failed()
         if classify(err) == Kind.DENIED:  # no retry can fix a refusal: end the attempt (exit 5)
             raise StoragePermissionDenied(progress.short_error(err)) from err
         log.warning("checkpoint: save failed (%s); training goes on, the next save retries", progress.short_error(err))
@@ -300,7 +262,7 @@ def _committed(mngr: CheckpointManager, step: int) -> bool:
         return False
 
 
-def _save_final(mngr: CheckpointManager, step: int, state: State, status: _Status) -> bool:
+def _save_final(mngr: CheckpointManager, step: int, state: State, status: AttemptProgress) -> bool:
     """Make sure `step` is committed (the final step, or the SIGTERM step): retry a bounded number
     of times, because this checkpoint is the one a restart or the user will want."""
     delays = checkpointing.backoff_delays(2.0, 16.0)
@@ -308,11 +270,11 @@ def _save_final(mngr: CheckpointManager, step: int, state: State, status: _Statu
     try:
         return _save_final_tries(mngr, step, state, status, delays)
     finally:
-        status.save_blocking_seconds += time.monotonic() - blocked_from
+        status.save_blocked(time.monotonic() - blocked_from)
 
 
 def _save_final_tries(
-    mngr: CheckpointManager, step: int, state: State, status: _Status, delays: Iterator[float]
+    mngr: CheckpointManager, step: int, state: State, status: AttemptProgress, delays: Iterator[float]
 ) -> bool:
     for attempt in range(1, FINAL_SAVE_TRIES + 1):
         try:
@@ -326,10 +288,10 @@ def _save_final_tries(
             error = "no commit marker after the save"
         except Exception as err:
             if classify(err) == Kind.DENIED:
-                status.save_failures += 1
+                status.save_failed()
                 raise StoragePermissionDenied(progress.short_error(err)) from err
             error = progress.short_error(err)
-        status.save_failures += 1
+        status.save_failed()
         log.warning("checkpoint: save of step %d, try %d/%d, failed: %s", step, attempt, FINAL_SAVE_TRIES, error)
         if attempt < FINAL_SAVE_TRIES:
             time.sleep(next(delays))
@@ -343,7 +305,7 @@ def _train(
     mngr: CheckpointManager | None,
     notice: PreemptionNotice,
     writer: progress.ProgressWriter | None,
-    status: _Status,
+    status: AttemptProgress,
 ) -> bool:
     """Train from status.step to the last step; returns True if stopped by SIGTERM."""
     tc = cfg.train
@@ -356,12 +318,13 @@ def _train(
         batch = trainer.device_batch(batch_for_step(tc.seed, step - 1, tc.batch_size, tc.seq_len, tc.model.vocab_size))
         state, loss = trainer.step(state, batch)
         status.step, window_steps = step, window_steps + 1
-        if status.first_step_at is None or cadence:
+        if status.record_so_far.first_step_at is None or cadence:
             # After the first step: compilation is behind us. Adaptive: every step, because JAX
             # dispatches asynchronously and the cadence needs each step's real time; this costs the
             # host's head start on dispatching the next step (bench/checkpoint_policies.py measures it).
             jax.block_until_ready(loss)  # type: ignore[no-untyped-call]
-            status.first_step_at = status.first_step_at or contract.now_rfc3339()
+            if status.record_so_far.first_step_at is None:
+                status.update(first_step_at=contract.now_rfc3339())
         if mngr:
             saving = mngr.is_saving_in_progress()
             # Report a finished save before the policy may start the next one.
@@ -386,15 +349,14 @@ def _train(
         due_log = step % tc.log_every == 0 or step == tc.steps
         due_publish = writer is not None and now - last_publish >= cfg.progress_interval_seconds
         if due_log or due_publish:
-            status.loss = _scalar(loss)  # waits for the step: the rate below is real
+            loss_now = _scalar(loss)  # waits for the step: the rate below is real
             now = time.monotonic()
-            status.steps_per_second = window_steps / max(now - window_start, 1e-9)
+            rate = window_steps / max(now - window_start, 1e-9)
+            status.update(loss=loss_now, steps_per_second=rate)
             window_start, window_steps = now, 0
             if due_log and jax.process_index() == 0:
                 committed = writer.last_committed_step if writer else None
-                print(
-                    progress.progress_line(step, tc.steps, status.loss, status.steps_per_second, committed), flush=True
-                )
+                print(progress.progress_line(step, tc.steps, loss_now, rate, committed), flush=True)
             if writer is not None and due_publish:
                 writer.publish(status.record("running"))
                 last_publish = now
@@ -415,9 +377,7 @@ def run(cfg: Config, process_started_at: str | None = None) -> ExitCode:
         who, cfg.attempt, jax.process_index(), jax.process_count(), jax.device_count(), jax.devices()[0].platform,
         tc.model.name, tc.model.num_params() / 1e6, tc.steps, tc.batch_size, tc.seq_len,
     )  # fmt: skip
-    status = _Status(
-        attempt=cfg.attempt, uid=cfg.job_uid, process_started_at=process_started_at or contract.now_rfc3339()
-    )
+    status = AttemptProgress(cfg.attempt, cfg.job_uid, process_started_at or contract.now_rfc3339())
     try:
         mngr = _open_manager(cfg, notice, status)
     except StoragePermissionDenied as err:
@@ -435,11 +395,11 @@ def run(cfg: Config, process_started_at: str | None = None) -> ExitCode:
             state = _restore_or_init(cfg, trainer, mngr, status)
         except CheckpointIncompatible as err:
             log.error("resume: %s; nothing was deleted", err)
-            status.outcome = "incompatible"
+            status.update(state="incompatible")
             return ExitCode.CHECKPOINT_INCOMPATIBLE
-        status.step = status.resumed_from or 0
+        status.step = status.record_so_far.restored_step or 0
         preempted = _train(cfg, trainer, state, mngr, notice, writer, status)
-        status.outcome = "preempted" if preempted else "succeeded"
+        status.update(state="preempted" if preempted else "succeeded")
     except StoragePermissionDenied as err:
         _denied(cfg, err, status)  # the record below says so, if storage still takes it
         return ExitCode.STORAGE_PERMISSION_DENIED
@@ -447,7 +407,7 @@ def run(cfg: Config, process_started_at: str | None = None) -> ExitCode:
         if mngr:
             _close(mngr, writer)
         if writer:
-            writer.close(status.record(status.outcome))
+            writer.close(status.record())
         if cache:
             cache.flush(cfg.storage_timeout_seconds)
             log.info("compile cache: %s", cache.summary())
@@ -457,17 +417,17 @@ def run(cfg: Config, process_started_at: str | None = None) -> ExitCode:
     return ExitCode.OK
 
 
-def _denied(cfg: Config, err: StoragePermissionDenied, status: _Status) -> None:
+def _denied(cfg: Config, err: StoragePermissionDenied, status: AttemptProgress) -> None:
     """Say which bucket refused which identity: the log, the progress record, and the container's
     termination message (`kubectl describe pod`; Kubernetes reads /dev/termination-log)."""
-    status.outcome = "failed"
-    status.storage_denied = f"{checkpointing.bucket_of(cfg.run_dir or '')} as {checkpointing.identity()}: {err}"
-    log.error("checkpoint storage refused this job's identity (exit 5): %s", status.storage_denied)
+    denied = f"{checkpointing.bucket_of(cfg.run_dir or '')} as {checkpointing.identity()}: {err}"
+    status.update(state="failed", storage_denied=denied)
+    log.error("checkpoint storage refused this job's identity (exit 5): %s", denied)
     path = os.environ.get("TPUJOB_TERMINATION_MESSAGE_PATH", "/dev/termination-log")
     if os.path.exists(path):
         try:
             with open(path, "w") as out:
-                out.write(f"{contract.STORAGE_DENIED_PREFIX}{status.storage_denied}"[:4096])
+                out.write(f"{contract.STORAGE_DENIED_PREFIX}{denied}"[:4096])
         except OSError:
             pass
 

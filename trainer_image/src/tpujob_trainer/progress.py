@@ -15,11 +15,63 @@ import logging
 import os
 import threading
 from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 import tpujob_contract as contract
 from etils import epath
 
+if TYPE_CHECKING:  # checkpointing imports this module
+    from tpujob_trainer.checkpointing import AdaptiveCadence
+
 log = logging.getLogger("tpujob_trainer")
+
+
+class AttemptProgress:
+    """The current attempt's contract.ProgressRecord as the trainer builds it up: its fields are the
+    record's own (declared once, in the contract), set with `update` as they become known. Only the
+    step, which changes on every training step, is kept aside and folded in by `record`, with the
+    time, the state and the adaptive cadence's numbers of the moment."""
+
+    def __init__(self, attempt: int, uid: str, process_started_at: str) -> None:
+        self.record_so_far = contract.ProgressRecord(
+            step=0,
+            attempt=attempt,
+            uid=uid,
+            updated_at=process_started_at,
+            state="failed",  # until the attempt ends otherwise
+            process_started_at=process_started_at,
+        )
+        self.step = 0
+        self.cadence: AdaptiveCadence | None = None  # policy "adaptive"
+
+    def update(self, **fields: Any) -> None:
+        """Set record fields (dataclasses.replace refuses a name the record does not have)."""
+        self.record_so_far = dataclasses.replace(self.record_so_far, **fields)
+
+    def save_failed(self) -> None:
+        self.update(save_failures=self.record_so_far.save_failures + 1)
+
+    def save_blocked(self, seconds: float) -> None:
+        self.update(save_blocking_seconds=self.record_so_far.save_blocking_seconds + seconds)
+
+    def restored(self, step: int | None, failures: tuple[contract.RestoreFailure, ...]) -> None:
+        self.update(restored_step=step, resumed_from_step=step, restore_failures=failures)
+
+    def moved_to_quarantine(self, step: int, where: str) -> None:
+        moved = (*self.record_so_far.quarantined, contract.QuarantinedStep(step, where))
+        self.update(quarantined=moved)
+
+    def record(self, state: contract.State | None = None) -> contract.ProgressRecord:
+        """The record to publish now (`state`: the record's own when None)."""
+        so_far = self.record_so_far
+        return dataclasses.replace(
+            so_far,
+            step=self.step,
+            updated_at=contract.now_rfc3339(),
+            state=state or so_far.state,
+            save_blocking_seconds=round(so_far.save_blocking_seconds, 3),
+            **(self.cadence.record_fields() if self.cadence else {}),
+        )
 
 
 def short_error(err: BaseException) -> str:
