@@ -40,6 +40,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import tpujob_contract as contract
 from tpujob_contract import LATEST
 from tpujob_devcluster.fakegcs import start_fake_gcs
 
@@ -101,7 +102,7 @@ def _run_policy(args: argparse.Namespace, spec: str, root: Path) -> dict[str, An
         if policy := checkpointing.adaptive_policy(options):
             cadence = checkpointing.AdaptiveCadence(ckpt, policy, announce=False)
             meter = cadence.cadence.meter
-        directory = f"gs://{BUCKET}/{name}/checkpoints"
+        directory = contract.checkpoints_dir(f"gs://{BUCKET}/{name}")
         mngr = checkpointing.CheckpointManager(directory, options, checkpointing.PreemptionNotice(False))
     wait_each_step = spec != "none_async"
     state = trainer.init()
@@ -140,7 +141,7 @@ def _run_policy(args: argparse.Namespace, spec: str, root: Path) -> dict[str, An
     if mngr:
         mngr.wait_until_finished()
         mngr.close()
-    result = _summarise(spec, step_times, loop_s, starts, root / BUCKET / name / "checkpoints")
+    result = _summarise(spec, step_times, loop_s, starts, root / BUCKET / name / contract.CHECKPOINTS_DIR)
     if mngr:
         result |= {"overhead": meter.overhead, "save_cost_s": meter.cost_s, "extra_s": meter.extra_s}
     if cadence:

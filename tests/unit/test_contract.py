@@ -165,3 +165,18 @@ def test_quarantined_steps_and_a_storage_denial_round_trip_and_older_records_sti
     read = contract.from_json(json.dumps(older))
     assert (read.quarantined, read.storage_denied) == ((), None)
     assert contract.ExitCode.STORAGE_PERMISSION_DENIED == 5
+
+
+@pytest.mark.parametrize("policy", contract.CHECKPOINT_POLICIES)
+def test_a_spec_that_sets_only_the_policy_gets_the_trainers_own_defaults(policy: contract.CheckpointPolicy):
+    """The CRD's defaults, passed in the env, are what the trainer takes when the env says nothing."""
+    checkpoint: dict[str, Any] = {"directory": "gs://acme-ckpt/runs", "policy": policy}
+    if policy == "interval":  # required there (CEL); the trainer's default is for local runs
+        checkpoint["intervalSteps"] = contract.DEFAULT_INTERVAL_STEPS
+    env = _pod_env(build_jobset(training_job(checkpoint=checkpoint), attempt=0, resume_step=None), 0, 0)
+    from_operator = parse_config([], env).checkpoint
+    own = {k: v for k, v in env.items() if not k.startswith("TPUJOB_CHECKPOINT_") or k.endswith("_POLICY")}
+    from_defaults = parse_config([], own).checkpoint
+    assert from_operator is not None and from_defaults is not None
+    unsent = {"interval_steps": 0} if policy != "interval" else {}  # not sent outside policy interval
+    assert dataclasses.replace(from_defaults, **unsent) == from_operator

@@ -158,6 +158,8 @@ CHECKPOINTS_DIR: Final = "checkpoints"
 QUARANTINE_DIR: Final = "quarantine"
 SUPERSEDED_DIR: Final = "superseded"
 PROGRESS_FILE: Final = "progress.json"
+# The trainer's persistent JAX compilation cache, unless TPUJOB_COMPILATION_CACHE_DIR says otherwise.
+COMPILATION_CACHE_DIR: Final = "jax-cache"
 # Orbax 0.12 on GCS has no atomic rename: it writes the step directory in place and marks it committed
 # by writing this file last. A step directory without it is partial (a save cut short).
 COMMIT_MARKER: Final = "commit_success.txt"

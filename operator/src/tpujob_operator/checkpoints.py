@@ -73,7 +73,7 @@ def step_candidates(checkpoints_prefix: str, prefixes: list[str]) -> list[int]:
 
 def latest_committed_step(client: storage.Client, run_dir: str) -> int | None:
     bucket_name, prefix = split_gs_path(run_dir)
-    checkpoints = f"{prefix}/checkpoints/" if prefix else "checkpoints/"
+    checkpoints = f"{contract.checkpoints_dir(prefix)}/" if prefix else f"{contract.CHECKPOINTS_DIR}/"
     try:
         bucket = client.bucket(bucket_name)
         listing = client.list_blobs(bucket, prefix=checkpoints, delimiter="/", timeout=_TIMEOUT_SECONDS, retry=_RETRY)
@@ -83,7 +83,7 @@ def latest_committed_step(client: storage.Client, run_dir: str) -> int | None:
             if bucket.blob(f"{checkpoints}{step}/{COMMIT_MARKER}").exists(timeout=_TIMEOUT_SECONDS, retry=_RETRY):
                 return step
     except _STORAGE_FAILURES as error:
-        raise storage_error(f"listing {run_dir}/checkpoints", run_dir, error) from error
+        raise storage_error(f"listing {contract.checkpoints_dir(run_dir)}", run_dir, error) from error
     return None
 
 

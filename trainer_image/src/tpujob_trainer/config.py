@@ -133,7 +133,7 @@ def compilation_cache_dir(env: Mapping[str, str], run_dir: str | None) -> str | 
     jax_dir = env.get(JAX_COMPILATION_CACHE_ENV, "").strip()
     if jax_dir:
         return jax_dir.rstrip("/")
-    return f"{run_dir}/jax-cache" if run_dir else None
+    return f"{run_dir}/{contract.COMPILATION_CACHE_DIR}" if run_dir else None
 
 
 def _int(env: Mapping[str, str], name: str, default: int) -> int:
