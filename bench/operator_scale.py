@@ -52,7 +52,6 @@ import json
 import os
 import random
 import signal
-import subprocess
 import sys
 import tempfile
 import threading
@@ -73,11 +72,12 @@ from kubernetes import client, config, watch
 from kubernetes.client.exceptions import ApiException
 from tpujob_contract import JOBSET_GROUP, JOBSET_PLURAL, JOBSET_VERSION, LABEL_ATTEMPT, LABEL_NAME
 from tpujob_devcluster.cluster import BUCKET, DevCluster, Pool
-from tpujob_devcluster.controlplane import REPO_ROOT, free_port, tools_dir
+from tpujob_devcluster.controlplane import REPO_ROOT
 from tpujob_devcluster.harness import (
     OPERATOR_NAMESPACE,
     ensure_namespace,
     git,
+    helm_install_operator,
     pod_pids,
     quantiles,
     signal_pod,
@@ -624,21 +624,8 @@ class Bench:
 def helm_install(kubeconfig: Path, chart: Path, gcs_endpoint: str, pythonpath: str | None) -> None:
     """The chart as a user installs it, one replica (the one measured); its GCS traffic goes to the
     counting proxy. With a revision, its sources first on the operator's PYTHONPATH."""
-    sets = [
-        "image.repository=tpujob-operator", "image.tag=dev", f"livenessPort={free_port()}",
-        f"metrics.port={free_port()}", "replicaCount=1",
-        "extraEnv[0].name=STORAGE_EMULATOR_HOST", f"extraEnv[0].value={gcs_endpoint}",
-    ]  # fmt: skip
-    if pythonpath:
-        sets += ["extraEnv[1].name=PYTHONPATH", f"extraEnv[1].value={pythonpath}"]
-    result = subprocess.run(
-        [str(tools_dir() / "helm"), "upgrade", "--install", RELEASE, str(chart), "--namespace", OPERATOR_NAMESPACE,
-         "--create-namespace", "--kubeconfig", str(kubeconfig), "--wait", "--timeout", "3m",
-         *[arg for value in sets for arg in ("--set", value)]],
-        check=False, capture_output=True, text=True,
-    )  # fmt: skip
-    if result.returncode != 0:
-        raise RuntimeError(f"helm install of the operator failed:\n{result.stderr}")
+    env = {"STORAGE_EMULATOR_HOST": gcs_endpoint, **({"PYTHONPATH": pythonpath} if pythonpath else {})}
+    helm_install_operator(kubeconfig, "replicaCount=1", release=RELEASE, chart=chart, env=env)
 
 
 @contextmanager
