@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 import tpujob_contract as contract
+from tpujob_contract import Env
 from tpujob_devcluster.fakegcs import FakeGcsServer, start_fake_gcs
 
 BUCKET = "goodput"
@@ -66,16 +67,16 @@ def _kill_times(seed: int, mtbf: float, horizon: float) -> list[float]:
 
 def _policy_env(args: argparse.Namespace, policy: str) -> dict[str, str]:
     if policy == "none":  # an interval longer than the job: only the final save
-        return {"TPUJOB_CHECKPOINT_POLICY": "interval", "TPUJOB_CHECKPOINT_INTERVAL_STEPS": str(10**9)}
+        return {Env.CHECKPOINT_POLICY: "interval", Env.CHECKPOINT_INTERVAL_STEPS: str(10**9)}
     if policy == "fixed":
-        return {"TPUJOB_CHECKPOINT_POLICY": "interval", "TPUJOB_CHECKPOINT_INTERVAL_STEPS": str(args.fixed_interval)}
+        return {Env.CHECKPOINT_POLICY: "interval", Env.CHECKPOINT_INTERVAL_STEPS: str(args.fixed_interval)}
     if policy == "continuous":
-        return {"TPUJOB_CHECKPOINT_POLICY": "continuous"}
+        return {Env.CHECKPOINT_POLICY: "continuous"}
     if policy == "adaptive":
         return {
-            "TPUJOB_CHECKPOINT_POLICY": "adaptive",
-            "TPUJOB_CHECKPOINT_OVERHEAD_BUDGET_PERCENT": str(args.budget),
-            "TPUJOB_MTBF_SECONDS": str(args.mtbf),
+            Env.CHECKPOINT_POLICY: "adaptive",
+            Env.CHECKPOINT_OVERHEAD_BUDGET_PERCENT: str(args.budget),
+            Env.MTBF_SECONDS: str(args.mtbf),
         }
     raise SystemExit(f"unknown policy {policy!r}")
 
@@ -93,7 +94,7 @@ def _run_job(args: argparse.Namespace, job: Job, kills: list[float]) -> dict[str
         log = (job.log_dir / f"{job.name}-attempt{attempt}.log").open("wb")
         proc = subprocess.Popen(
             [sys.executable, "-m", "tpujob_trainer", *train_args],
-            env={**job.env, "TPUJOB_ATTEMPT": str(attempt)}, stdout=log, stderr=subprocess.STDOUT,
+            env={**job.env, Env.ATTEMPT: str(attempt)}, stdout=log, stderr=subprocess.STDOUT,
         )  # fmt: skip
         killed_at, last = None, None
         while proc.poll() is None:
@@ -170,11 +171,11 @@ def main() -> None:
         gcs.create_bucket(BUCKET)
         base_env = {
             **os.environ, **gcs.env(), "JAX_PLATFORMS": "cpu", "PYTHONUNBUFFERED": "1",
-            "TPUJOB_PROGRESS_INTERVAL_SECONDS": "0.5", "TPUJOB_CHECKPOINT_KEEP_LATEST": "3",
+            contract.PROGRESS_INTERVAL_ENV: "0.5", Env.CHECKPOINT_KEEP_LATEST: "3",
         }  # fmt: skip
 
         def job(name: str, policy: str) -> Job:
-            env = {**base_env, **_policy_env(args, policy), "TPUJOB_RUN_DIR": f"gs://{BUCKET}/{name}"}
+            env = {**base_env, **_policy_env(args, policy), Env.RUN_DIR: f"gs://{BUCKET}/{name}"}
             return Job(gcs, env, name, Path(tmp))
 
         runs, baselines = [], {}

@@ -139,9 +139,9 @@ def _manifest(name: str, policy: str, steps: int, failures: int, side: Side) -> 
     if policy == "interval":
         checkpoint["intervalSteps"] = 50
     # Progress twice a second, so the last reported step before a crash is close to the real one.
-    env = [{"name": "TPUJOB_PROGRESS_INTERVAL_SECONDS", "value": "0.5"}]
+    env = [{"name": contract.PROGRESS_INTERVAL_ENV, "value": "0.5"}]
     if side.compile_cache == "off":
-        env.append({"name": "TPUJOB_COMPILATION_CACHE_DIR", "value": "off"})
+        env.append({"name": contract.COMPILATION_CACHE_ENV, "value": "off"})
     if side.pythonpath:  # the trainer of that revision (images.yaml runs this venv's interpreter)
         env.append({"name": "PYTHONPATH", "value": side.pythonpath})
     return {

@@ -65,6 +65,10 @@ class Env:
 # spec.env), else the default. The operator reads the same to know a run's final step.
 STEPS_ENV: Final = "TPUJOB_STEPS"
 DEFAULT_STEPS: Final = 100
+# More of the trainer's own variables that the tooling (the demo, the benches, the tests) sets:
+# how often it writes its progress record, and where its compilation cache is ("off": none).
+PROGRESS_INTERVAL_ENV: Final = "TPUJOB_PROGRESS_INTERVAL_SECONDS"
+COMPILATION_CACHE_ENV: Final = "TPUJOB_COMPILATION_CACHE_DIR"
 
 
 @dataclass(frozen=True)

@@ -535,7 +535,7 @@ def run_demo(state_dir: Path) -> int:
         total_steps = int(args[args.index("--steps") + 1])
         kill_at_step = int(total_steps * KILL_AFTER_FRACTION)
         env = manifest["spec"].setdefault("env", [])
-        env.append({"name": "TPUJOB_PROGRESS_INTERVAL_SECONDS", "value": PROGRESS_INTERVAL_SECONDS})
+        env.append({"name": contract.PROGRESS_INTERVAL_ENV, "value": PROGRESS_INTERVAL_SECONDS})
         os.environ.update(_gcs_env(state_dir))
         gcs = make_client()
         run_dir = f"gs://{BUCKET}/runs/{NAMESPACE}/{name}"

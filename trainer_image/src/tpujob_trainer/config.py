@@ -15,7 +15,7 @@ from collections.abc import Mapping, Sequence
 from typing import Literal
 
 import tpujob_contract as contract
-from tpujob_contract import DEFAULT_STEPS, STEPS_ENV, CheckpointPolicy, Env, Resume
+from tpujob_contract import COMPILATION_CACHE_ENV, DEFAULT_STEPS, STEPS_ENV, CheckpointPolicy, Env, Resume
 
 
 class ConfigError(ValueError):
@@ -120,7 +120,6 @@ class Config:
     compilation_cache_dir: str | None = None  # persistent JAX compilation cache; None = off
 
 
-COMPILATION_CACHE_ENV = "TPUJOB_COMPILATION_CACHE_DIR"
 JAX_COMPILATION_CACHE_ENV = "JAX_COMPILATION_CACHE_DIR"
 
 
@@ -299,7 +298,7 @@ def parse_config(argv: Sequence[str], env: Mapping[str, str]) -> Config:
         job_namespace=env.get(Env.NAMESPACE, ""),
         job_uid=env.get(Env.UID, "").strip(),
         attempt=_int(env, Env.ATTEMPT, 0),
-        progress_interval_seconds=_float(env, "TPUJOB_PROGRESS_INTERVAL_SECONDS", 5.0),
+        progress_interval_seconds=_float(env, contract.PROGRESS_INTERVAL_ENV, 5.0),
         storage_timeout_seconds=_storage_seconds(env, "TPUJOB_STORAGE_TIMEOUT_SECONDS", 30.0),
         storage_wait_seconds=_storage_seconds(env, "TPUJOB_STORAGE_WAIT_SECONDS", 600.0),
         compilation_cache_dir=compilation_cache_dir(env, run_dir),
