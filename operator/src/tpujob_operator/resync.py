@@ -27,18 +27,9 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+import tpujob_contract as contract
 from kubernetes.client import ApiClient
 from kubernetes.client.exceptions import ApiException
-from tpujob_contract import (
-    JOBSET_GROUP,
-    JOBSET_PLURAL,
-    JOBSET_VERSION,
-    KUEUE_GROUP,
-    KUEUE_JOB_UID_LABEL,
-    KUEUE_VERSION,
-    LABEL_ATTEMPT,
-    LABEL_NAME,
-)
 
 from . import api
 from .kube import REQUEST_TIMEOUT_SECONDS
@@ -86,9 +77,9 @@ class Kind:
 # The runtime's index names (handlers.py) and the watches that fill them.
 KINDS: dict[str, Kind] = {
     "trainingjobs": Kind(api.GROUP, api.VERSION, api.PLURAL),
-    "jobsets": Kind(JOBSET_GROUP, JOBSET_VERSION, JOBSET_PLURAL, LABEL_NAME),
-    "pods": Kind("", "v1", "pods", f"{LABEL_NAME},{LABEL_ATTEMPT}"),
-    "workloads": Kind(KUEUE_GROUP, KUEUE_VERSION, "workloads", KUEUE_JOB_UID_LABEL),
+    "jobsets": Kind(contract.JOBSET_GROUP, contract.JOBSET_VERSION, contract.JOBSET_PLURAL, contract.LABEL_NAME),
+    "pods": Kind("", "v1", "pods", f"{contract.LABEL_NAME},{contract.LABEL_ATTEMPT}"),
+    "workloads": Kind(contract.KUEUE_GROUP, contract.KUEUE_VERSION, "workloads", contract.KUEUE_JOB_UID_LABEL),
     "nodes": Kind("", "v1", "nodes", namespaced=False),
 }
 
