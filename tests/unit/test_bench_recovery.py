@@ -2,12 +2,15 @@
 quantiles and the before/after comparison."""
 
 import importlib.util
+import random
 import sys
 from pathlib import Path
 from types import ModuleType
 from typing import Any
 
+import numpy
 import pytest
+from tpujob_devcluster.harness import quantiles
 
 
 def _load() -> ModuleType:
@@ -66,6 +69,17 @@ def test_quantiles_skip_unknown_values_and_say_n() -> None:
     assert q["n"] == 30 and q["p50"] == 15.5 and q["max"] == 30.0
     assert 29.0 < q["p99"] < 30.0  # with n = 30 the p99 lies between the two largest
     assert recovery.quantiles([None]) == {"p50": None, "p90": None, "p99": None, "max": None, "n": 0}
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 10, 99, 1000])
+def test_quantiles_are_numpys_linear_percentiles(n: int) -> None:
+    """harness.quantiles (both fleet benches') computes what numpy.percentile does, without numpy."""
+    rng = random.Random(n)
+    values = [rng.expovariate(1.0) for _ in range(n)]
+    q = quantiles(values, points=(50, 90, 99))
+    expected = numpy.percentile(values, [50, 90, 99])
+    assert [q["p50"], q["p90"], q["p99"]] == pytest.approx([float(v) for v in expected], abs=0.001)  # it rounds
+    assert (q["max"], q["n"]) == (round(max(values), 3), n)
 
 
 def _failure(recovery_s: float, share: float | None) -> dict[str, Any]:
