@@ -15,6 +15,7 @@ events into one more run); a request never delays a check that is due sooner.
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import logging
 from collections import deque
 from collections.abc import Awaitable, Callable
@@ -74,7 +75,9 @@ class Schedule:
             if pending.when() <= when:
                 return
             pending.cancel()
-        self.due[key] = loop.call_at(when, self._fire, key)
+        # In an empty context, not the caller's: a kopf handler's holds its event (kopf's cause_var: the
+        # whole object, its patch and loggers), which the pending check and every run after it kept alive.
+        self.due[key] = loop.call_at(when, self._fire, key, context=contextvars.Context())
 
     def cancel(self, key: JobKey) -> None:
         """Nothing more is due for `key` (a run in progress finishes)."""
