@@ -20,7 +20,7 @@ from .facts import Actions, CreationRefused, Event
 from .jobset import build_jobset, incarnation_uid
 from .kube import Cluster
 from .memory import JobMemory
-from .observe import slim_jobset
+from .observe import slim_jobset, without_managed_fields
 from .schedule import JobKey
 from .status import parse_time
 
@@ -82,7 +82,8 @@ class Applier:
 
     def write_status(self, job: JobMemory, body: dict[str, Any], status: api.TrainingJobStatus) -> dict[str, Any]:
         try:
-            written = job.written = self.cluster().replace_status(body, dump(status))
+            # Kept until the watch delivers it: without managedFields, which nothing reads (22 KB a job).
+            written = job.written = without_managed_fields(self.cluster().replace_status(body, dump(status)))
         except ApiException as error:
             if error.status == 404:  # deleted, perhaps in a watch gap: the resync forgets it (and what it left)
                 self.on_gone()

@@ -27,7 +27,16 @@ from .jobset import jobset_facts
 from .kube import Cluster, Conflict, load_config
 from .memory import JobMemory, Memory
 from .metrics import OperatorMetrics
-from .observe import ENDING_CHECK_SECONDS, Indexes, Observer, Snapshot, just_stopped, snapshot, workers_ending
+from .observe import (
+    ENDING_CHECK_SECONDS,
+    Indexes,
+    Observer,
+    Snapshot,
+    just_stopped,
+    snapshot,
+    without_managed_fields,
+    workers_ending,
+)
 from .reads import BoundedReads
 from .reconcile import TERMINAL_PHASES, after_creation_refused, reconcile, release
 from .resync import Resync
@@ -176,7 +185,7 @@ class Runtime:
                 if fresh is None:
                     self.forget(key)
                     return None
-                body = job.written = fresh
+                body = job.written = without_managed_fields(fresh)
         return 1.0
 
     def _reconcile_once(self, key: JobKey, job: JobMemory, body: dict[str, Any], snapshot: Snapshot) -> float | None:
