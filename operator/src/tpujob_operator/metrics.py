@@ -63,12 +63,28 @@ RECOVERY_BUCKETS = (5, 10, 20, 30, 60, 120, 180, 300, 600, 900, 1800, 3600)
 RECONCILE_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
+class _Goodput:
+    """The ledger's numbers the gauges show (not the status model: 4 KB a job, kept for every live job)."""
+
+    ratio: float | None
+    productive_seconds: float
+    badput: tuple[float, ...]  # in BADPUT_CAUSES' order
+
+    @classmethod
+    def of(cls, goodput: api.Goodput | None) -> _Goodput | None:
+        if goodput is None:
+            return None
+        badput = tuple(float(getattr(goodput.badput, field)) for field in BADPUT_CAUSES)
+        return cls(goodput.ratio, goodput.productive_seconds, badput)
+
+
+@dataclass(frozen=True, slots=True)
 class _LiveJob:
     """What the scrape-time gauges need of one live job's last status."""
 
     phase: api.Phase | None
-    goodput: api.Goodput | None
+    goodput: _Goodput | None
     checkpoint_time: datetime | None
 
 
@@ -174,7 +190,7 @@ class OperatorMetrics:
             else:
                 self._live[key] = _LiveJob(
                     phase=after.phase,
-                    goodput=after.goodput,
+                    goodput=_Goodput.of(after.goodput),
                     checkpoint_time=parse_time(checkpoint.time) if checkpoint is not None else None,
                 )
             self._purge()
@@ -265,8 +281,8 @@ class OperatorMetrics:
                 if job.goodput.ratio is not None:
                     ratio.add_metric([namespace, name], job.goodput.ratio)
                 productive.add_metric([namespace, name], job.goodput.productive_seconds)
-                for field, cause in BADPUT_CAUSES.items():
-                    badput.add_metric([namespace, name, cause], getattr(job.goodput.badput, field))
+                for cause, seconds in zip(BADPUT_CAUSES.values(), job.goodput.badput, strict=True):
+                    badput.add_metric([namespace, name, cause], seconds)
             if job.checkpoint_time is not None:
                 since.add_metric([namespace, name], max(0.0, now - job.checkpoint_time.timestamp()))
         return [by_phase, ratio, productive, badput, since]
