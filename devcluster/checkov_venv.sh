@@ -17,18 +17,9 @@ log() { echo "[checkov-venv] $*" >&2; }
 # shellcheck source=find_python.sh
 source "$(dirname "${BASH_SOURCE[0]}")/find_python.sh"
 
-if [ ! -f "$VENV/.complete" ]; then
-  start=$SECONDS
-  rm -rf "$VENV"
-  python="$(find_python "${CHECKOV_PYTHON_VERSION}" "${CHECKOV_PYTHON:-}")"
-  log "building $VENV with $python"
-  "$python" -m venv "$VENV"
+install() {
   "$VENV/bin/python" -m pip install -q --disable-pip-version-check "checkov==${CHECKOV_VERSION}"
   "$VENV/bin/checkov" --version >/dev/null
-  touch "$VENV/.complete"
-  log "built in $((SECONDS - start))s ($(du -sh "$VENV" | cut -f1))"
-fi
-if [ "$(readlink "$LINK" 2>/dev/null)" != "$VENV" ]; then
-  ln -sfn "$VENV" "$LINK.tmp" && mv -T "$LINK.tmp" "$LINK"
-fi
+}
+cached_venv "$VENV" "$LINK" "${CHECKOV_PYTHON_VERSION}" "${CHECKOV_PYTHON:-}" install
 echo "$LINK/bin/checkov"

@@ -27,12 +27,7 @@ log() { echo "[maxtext-venv] $*" >&2; }
 # shellcheck source=find_python.sh
 source "$(dirname "${BASH_SOURCE[0]}")/find_python.sh"
 
-if [ ! -f "$VENV/.complete" ]; then
-  start=$SECONDS
-  rm -rf "$VENV"
-  python="$(find_python "${MAXTEXT_PYTHON_VERSION}" "${MAXTEXT_PYTHON:-}")"
-  log "building $VENV with $python"
-  "$python" -m venv "$VENV"
+install() {
   work="$(mktemp -d)"
   trap 'rm -rf "$work"' EXIT
   "$VENV/bin/python" -m pip install -q --upgrade pip
@@ -57,10 +52,6 @@ PY
   "$VENV/bin/python" -m pip install -q --no-deps "$work"/maxtext-*.whl
   "$VENV/bin/python" -m pip install -q -r "$work/requirements.txt"
   "$VENV/bin/python" -c 'import maxtext.trainers.pre_train.train' >/dev/null
-  touch "$VENV/.complete"
-  log "built in $((SECONDS - start))s ($(du -sh "$VENV" | cut -f1))"
-fi
-if [ "$(readlink "$LINK" 2>/dev/null)" != "$VENV" ]; then
-  ln -sfn "$VENV" "$LINK.tmp" && mv -T "$LINK.tmp" "$LINK"
-fi
+}
+cached_venv "$VENV" "$LINK" "${MAXTEXT_PYTHON_VERSION}" "${MAXTEXT_PYTHON:-}" install
 echo "$LINK/bin/python"
