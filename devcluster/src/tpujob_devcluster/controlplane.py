@@ -141,44 +141,38 @@ class ControlPlane:
         self.api_port = self.api_port or free_port()
         self.etcd_port = self.etcd_port or free_port()
         self._write_kubeconfig()
-        etcd = Component(
-            "etcd",
-            [
-                str(self.bin_dir / "etcd"),
-                f"--data-dir={self.workdir / 'etcd'}",
-                f"--listen-client-urls=http://127.0.0.1:{self.etcd_port}",
-                f"--advertise-client-urls=http://127.0.0.1:{self.etcd_port}",
-                f"--listen-peer-urls=http://127.0.0.1:{free_port()}",
-                "--unsafe-no-fsync",  # test data: durability is not worth the fsync latency on a shared disk
-                "--log-level=warn",
-            ],
-            logs / "etcd.log",
+        etcd_flags = [
+            f"--data-dir={self.workdir / 'etcd'}",
+            f"--listen-client-urls=http://127.0.0.1:{self.etcd_port}",
+            f"--advertise-client-urls=http://127.0.0.1:{self.etcd_port}",
+            f"--listen-peer-urls=http://127.0.0.1:{free_port()}",
+            "--unsafe-no-fsync",  # test data: durability is not worth the fsync latency on a shared disk
+            "--log-level=warn",
+        ]
+        self.launch(
+            self._binary("etcd", etcd_flags), lambda: http_ok(f"http://127.0.0.1:{self.etcd_port}/health"), timeout
         )
-        self.launch(etcd, lambda: http_ok(f"http://127.0.0.1:{self.etcd_port}/health"), timeout)
-        apiserver = Component("kube-apiserver", self._apiserver_argv(), logs / "kube-apiserver.log")
-        self.launch(apiserver, lambda: self.api_ok("/readyz"), timeout)
-        kcm = Component(
-            "kube-controller-manager",
-            [
-                str(self.bin_dir / "kube-controller-manager"),
-                f"--kubeconfig={self.kubeconfig}",
-                f"--controllers={self.controllers}",
-                f"--service-account-private-key-file={self.pki.sa_private}",
-                f"--root-ca-file={self.pki.ca_cert}",
-                "--leader-elect=false",
-                "--secure-port=0",
-                "--concurrent-gc-syncs=5",
-                "--v=1",
-            ],
-            logs / "kube-controller-manager.log",
-        )
-        self.launch(kcm, self._namespace_default_ready, timeout)
+        self.launch(self._binary("kube-apiserver", self._apiserver_flags()), lambda: self.api_ok("/readyz"), timeout)
+        kcm_flags = [
+            f"--kubeconfig={self.kubeconfig}",
+            f"--controllers={self.controllers}",
+            f"--service-account-private-key-file={self.pki.sa_private}",
+            f"--root-ca-file={self.pki.ca_cert}",
+            "--leader-elect=false",
+            "--secure-port=0",
+            "--concurrent-gc-syncs=5",
+            "--v=1",
+        ]
+        self.launch(self._binary("kube-controller-manager", kcm_flags), self._namespace_default_ready, timeout)
         return self
 
-    def _apiserver_argv(self) -> list[str]:
+    def _binary(self, name: str, flags: list[str]) -> Component:
+        """One of the control plane's own binaries (bin_dir/<name>), logging to logs/<name>.log."""
+        return Component(name, [str(self.bin_dir / name), *flags], self.workdir / "logs" / f"{name}.log")
+
+    def _apiserver_flags(self) -> list[str]:
         assert self.pki is not None
         return [
-            str(self.bin_dir / "kube-apiserver"),
             f"--etcd-servers=http://127.0.0.1:{self.etcd_port}",
             "--bind-address=127.0.0.1",
             "--advertise-address=127.0.0.1",
