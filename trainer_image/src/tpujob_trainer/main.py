@@ -444,6 +444,15 @@ def _close(mngr: CheckpointManager, writer: progress.ProgressWriter | None) -> N
         log.warning("checkpoint: closing the manager failed: %s", progress.short_error(err))
 
 
+# The failures main() knows, first match wins: what it logs and the exit code the operator classifies by.
+KNOWN_FAILURES: tuple[tuple[type[Exception], str, ExitCode], ...] = (
+    (ConfigError, "bad configuration: %s", ExitCode.BAD_CONFIG),
+    (StorageError, "checkpoint storage unusable at start: %s", ExitCode.STORAGE),
+    (DistributedStartupError, "%s (exit 6: the attempt is restarted, not counted)", ExitCode.DISTRIBUTED_STARTUP),
+    (StoragePermissionDenied, "checkpoint storage refused this job's identity: %s", ExitCode.STORAGE_PERMISSION_DENIED),
+)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     started = contract.now_rfc3339()  # before the imports' and JAX's start-up cost is paid below
     # A handler of our own: absl (imported by orbax) has already claimed the root logger.
@@ -455,18 +464,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         cfg = parse_config(sys.argv[1:] if argv is None else argv, os.environ)
         return run(cfg, started)
-    except ConfigError as err:
-        log.error("bad configuration: %s", err)
-        return ExitCode.BAD_CONFIG
-    except StorageError as err:
-        log.error("checkpoint storage unusable at start: %s", err)
-        return ExitCode.STORAGE
-    except DistributedStartupError as err:
-        log.error("%s (exit 6: the attempt is restarted, not counted)", err)
-        return ExitCode.DISTRIBUTED_STARTUP
-    except StoragePermissionDenied as err:
-        log.error("checkpoint storage refused this job's identity: %s", err)
-        return ExitCode.STORAGE_PERMISSION_DENIED
-    except Exception:
+    except Exception as err:
+        for kind, message, code in KNOWN_FAILURES:
+            if isinstance(err, kind):
+                log.error(message, err)
+                return code
         log.exception("training failed")
         return ExitCode.FAILED
