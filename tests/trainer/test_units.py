@@ -13,7 +13,7 @@ from etils import epath
 from gcsfs.retry import HttpError
 from jax.sharding import PartitionSpec
 from tpujob_contract import LATEST, QuarantinedStep, Resume
-from tpujob_trainer import checkpointing, progress
+from tpujob_trainer import checkpointing, failures, progress
 from tpujob_trainer.checkpointing import CheckpointIncompatible, StorageError
 from tpujob_trainer.config import MODELS, ConfigError, parse_config, topology_from_env
 from tpujob_trainer.data import batch_for_step
@@ -204,7 +204,7 @@ def test_progress_record_and_line() -> None:
     failed = contract.ProgressRecord(
         step=0, loss=None, steps_per_second=None, last_committed_step=None, attempt=1, resumed_from_step=None,
         updated_at=contract.now_rfc3339(), state="incompatible", uid="0b5e-uid",
-        restore_failures=(contract.RestoreFailure(12, progress.short_error(ValueError("x" * 500))),), save_failures=2,
+        restore_failures=(contract.RestoreFailure(12, failures.short_error(ValueError("x" * 500))),), save_failures=2,
     )  # fmt: skip
     record_json = json.loads(contract.to_json(failed))
     assert (record_json["uid"], record_json["state"], record_json["save_failures"]) == ("0b5e-uid", "incompatible", 2)

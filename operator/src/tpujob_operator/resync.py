@@ -25,18 +25,31 @@ import time
 from collections import Counter
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import tpujob_contract as contract
 from kubernetes.client import ApiClient
 from kubernetes.client.exceptions import ApiException
 
 from . import api
-from .kube import REQUEST_TIMEOUT_SECONDS
+from .kube import REQUEST_TIMEOUT_SECONDS, Cluster
+from .memory import Memory
+from .observe import Indexes
 from .schedule import JobKey
 
-if TYPE_CHECKING:
-    from .runtime import Runtime
+
+class Tracked(Protocol):
+    """What a resync reads and drops of the runtime (runtime.Runtime): its caches and memory of jobs."""
+
+    indexes: Indexes
+    watched: set[JobKey]
+    memory: Memory
+
+    def cluster(self) -> Cluster: ...
+    def forget(self, key: JobKey) -> None: ...
+    def watch(self, key: JobKey) -> None: ...
+    def request(self, key: JobKey, delay: float = 0.0) -> None: ...
+
 
 log = logging.getLogger("tpujob")
 # The backstop: a gap no listing event reveals (every object of every kind gone) is found this late.
@@ -131,7 +144,7 @@ class Outcome:
     failed: dict[str, str] = field(default_factory=dict)
 
 
-def remember(runtime: Runtime) -> Before:
+def remember(runtime: Tracked) -> Before:
     jobs = list(runtime.memory.items())
     created = {
         (key, name): str(body["metadata"].get("uid"))
@@ -187,7 +200,7 @@ def _list(client: ApiClient, kind: Kind, namespace: str | None) -> list[dict[str
             return items
 
 
-def apply(runtime: Runtime, before: Before, listed: Listed) -> Outcome:
+def apply(runtime: Tracked, before: Before, listed: Listed) -> Outcome:
     """Drop from the indexes and the overlays what the LIST proved gone; forget the jobs that no
     longer exist as they were; ask for a reconcile of every job that lost something (on the loop)."""
     dropped: dict[str, int] = {}
@@ -229,7 +242,7 @@ def apply(runtime: Runtime, before: Before, listed: Listed) -> Outcome:
     return Outcome(dropped, forgotten, requested, dict(listed.failed))
 
 
-def _jobs_on(runtime: Runtime, nodes: set[str]) -> set[JobKey]:
+def _jobs_on(runtime: Tracked, nodes: set[str]) -> set[JobKey]:
     pods = runtime.indexes.get("pods", {})
     return {key for key in list(pods) for p in pods[key] if (p.get("spec") or {}).get("nodeName") in nodes}
 
@@ -242,7 +255,7 @@ def _discard(index: Any, entry: EntryKey) -> None:
 class Resync:
     """Runs `apply` after every relist, 404 and RESYNC_SECONDS, one at a time, on kopf's event loop."""
 
-    def __init__(self, runtime: Runtime) -> None:
+    def __init__(self, runtime: Tracked) -> None:
         self.runtime = runtime
         self.runs = 0  # completed resyncs (tests and logs)
         self.asked: Counter[str] = Counter()  # why resyncs were asked for: relist, 404, retry

@@ -28,8 +28,7 @@ from tpujob_contract import COMMIT_MARKER, QuarantinedStep, RestoreFailure, Resu
 from tpujob_trainer.bounded import StorageTimeout, bounded
 from tpujob_trainer.cadence import Cadence, Interval, changed_materially
 from tpujob_trainer.config import CheckpointConfig, ConfigError
-from tpujob_trainer.failures import Kind, classify
-from tpujob_trainer.progress import short_error
+from tpujob_trainer.failures import Kind, classify, short_error
 
 log = logging.getLogger("tpujob_trainer")
 

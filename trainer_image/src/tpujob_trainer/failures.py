@@ -15,6 +15,8 @@ import enum
 import json
 import re
 
+import tpujob_contract as contract
+
 from tpujob_trainer.bounded import StorageTimeout
 
 
@@ -127,3 +129,10 @@ def classify(err: BaseException) -> Kind:
     mismatch; an error that says nothing recognizable is transient (never damage)."""
     kinds = [k for link in chain(err) if (k := _link_kind(link)) is not None]
     return max(kinds) if kinds else Kind.TRANSIENT
+
+
+def short_error(err: BaseException) -> str:
+    """`Type: message` on one line, cut to the contract's limit."""
+    text = " ".join(f"{type(err).__name__}: {err}".split())
+    limit = contract.ERROR_TEXT_LIMIT
+    return text if len(text) <= limit else text[: limit - 3] + "..."

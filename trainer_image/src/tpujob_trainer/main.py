@@ -26,7 +26,7 @@ import tpujob_contract as contract
 from jax.experimental import multihost_utils
 from tpujob_contract import ExitCode
 
-from tpujob_trainer import checkpointing, compile_cache, progress
+from tpujob_trainer import checkpointing, compile_cache, failures, progress
 from tpujob_trainer.checkpointing import (
     CheckpointIncompatible,
     CheckpointManager,
@@ -78,7 +78,7 @@ def _init_distributed(cfg: Config) -> bool:
             initialization_timeout=topo.init_timeout_seconds,
         )
     except Exception as err:  # e.g. the service could not bind; JAX's own fatal errors end the process
-        raise DistributedStartupError(f"JAX distributed runtime did not start: {progress.short_error(err)}") from err
+        raise DistributedStartupError(f"JAX distributed runtime did not start: {failures.short_error(err)}") from err
     return True
 
 
@@ -214,8 +214,8 @@ def _move_aside(cfg: Config, mngr: CheckpointManager, step: int, folder: str) ->
             where = checkpointing.move_step(str(mngr.directory), f"{cfg.run_dir}/{folder}", step, MOVE_TIMEOUT_S)
             log.warning("checkpoint: step %d moved to %s, bytes kept", step, where)
         except Exception as err:
-            log.error("checkpoint: could not move step %d to %s (%s); it stays", step, where, progress.short_error(err))
-            where = f"(not moved: {progress.short_error(err)})"
+            log.error("checkpoint: could not move step %d to %s (%s); it stays", step, where, failures.short_error(err))
+            where = f"(not moved: {failures.short_error(err)})"
     if jax.process_count() > 1:
         multihost_utils.sync_global_devices(f"tpujob-move-{folder}-{step}")
     mngr.reload()
@@ -249,8 +249,8 @@ def _save(mngr: CheckpointManager, step: int, state: State, status: AttemptProgr
     except Exception as err:
         status.save_failed()
         if classify(err) == Kind.DENIED:  # no retry can fix a refusal: end the attempt (exit 5)
-            raise StoragePermissionDenied(progress.short_error(err)) from err
-        log.warning("checkpoint: save failed (%s); training goes on, the next save retries", progress.short_error(err))
+            raise StoragePermissionDenied(failures.short_error(err)) from err
+        log.warning("checkpoint: save failed (%s); training goes on, the next save retries", failures.short_error(err))
         return None
 
 
@@ -258,7 +258,7 @@ def _committed(mngr: CheckpointManager, step: int) -> bool:
     try:
         return checkpointing.is_committed(str(mngr.directory), step)
     except Exception as err:
-        log.warning("checkpoint: could not check the commit marker of step %d: %s", step, progress.short_error(err))
+        log.warning("checkpoint: could not check the commit marker of step %d: %s", step, failures.short_error(err))
         return False
 
 
@@ -289,8 +289,8 @@ def _save_final_tries(
         except Exception as err:
             if classify(err) == Kind.DENIED:
                 status.save_failed()
-                raise StoragePermissionDenied(progress.short_error(err)) from err
-            error = progress.short_error(err)
+                raise StoragePermissionDenied(failures.short_error(err)) from err
+            error = failures.short_error(err)
         status.save_failed()
         log.warning("checkpoint: save of step %d, try %d/%d, failed: %s", step, attempt, FINAL_SAVE_TRIES, error)
         if attempt < FINAL_SAVE_TRIES:
@@ -441,7 +441,7 @@ def _close(mngr: CheckpointManager, writer: progress.ProgressWriter | None) -> N
             writer.saved(latest)
         mngr.close()
     except Exception as err:
-        log.warning("checkpoint: closing the manager failed: %s", progress.short_error(err))
+        log.warning("checkpoint: closing the manager failed: %s", failures.short_error(err))
 
 
 # The failures main() knows, first match wins: what it logs and the exit code the operator classifies by.

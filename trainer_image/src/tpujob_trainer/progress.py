@@ -74,13 +74,6 @@ class AttemptProgress:
         )
 
 
-def short_error(err: BaseException) -> str:
-    """`Type: message` on one line, cut to the contract's limit."""
-    text = " ".join(f"{type(err).__name__}: {err}".split())
-    limit = contract.ERROR_TEXT_LIMIT
-    return text if len(text) <= limit else text[: limit - 3] + "..."
-
-
 def progress_line(step: int, total: int, loss: float, steps_per_second: float, last_committed: int | None) -> str:
     committed = "none" if last_committed is None else str(last_committed)
     return f"step {step}/{total} loss {loss:.4f} steps/s {steps_per_second:.2f} last_committed {committed}"
