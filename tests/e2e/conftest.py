@@ -18,11 +18,10 @@ import yaml
 from google.auth.credentials import AnonymousCredentials
 from google.cloud import storage
 from kubernetes import client, config
-from tpujob_contract import JOBSET_GROUP, JOBSET_VERSION
+from tpujob_contract import JOBSET_GROUP, JOBSET_VERSION, ProgressRecord
 from tpujob_devcluster.cluster import BUCKET, DevCluster
 from tpujob_devcluster.harness import helm_install_operator, pod_pids, signal_pod
 from tpujob_operator import api, checkpoints
-from tpujob_operator.facts import Progress
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
@@ -120,7 +119,7 @@ class E2E:
     def latest_committed(self, name: str) -> int | None:
         return checkpoints.latest_committed_step(self.gcs, self.run_dir(name))
 
-    def progress(self, name: str) -> Progress | None:
+    def progress(self, name: str) -> ProgressRecord | None:
         return checkpoints.read_progress(self.gcs, self.run_dir(name))
 
     def object_names(self, name: str) -> list[str]:

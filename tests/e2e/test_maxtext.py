@@ -5,7 +5,7 @@ the job succeeds with the lost steps in status matching MaxText's log.
 
 The truths are MaxText's log ("completed step: k", "restoring from this run's directory step k") and
 the bucket (commit markers); the operator knows neither: it reads the commit metadata and the
-gcs_metrics files (maxtext.read_progress). The venv comes from devcluster/maxtext_venv.sh (cached).
+gcs_metrics files (frameworks/maxtext.py). The venv comes from devcluster/maxtext_venv.sh (cached).
 """
 
 from __future__ import annotations
