@@ -35,6 +35,15 @@ Per size:
               write straight to the emulator: only the operator's storage is gone
   cluster     CPU seconds per minute of the other devcluster processes in the window (context: they
               share the 2 cores with the operator), and the load average
+  tracemalloc with --tracemalloc FRAMES, right after the window: what the operator holds, by holder
+              (kopf's indexes and per-object memories, the operator's records and its runtime's
+              attributes, tasks, the event loop: deep sizes, each object counted once), and from the
+              second size on tracemalloc's allocations still held by where they were made (the
+              allocating line, the first frame outside the standard library, its package), each with
+              bytes per job added since the size before. bench/tracemalloc_hook/sitecustomize.py, put
+              first on the operator's PYTHONPATH, answers the bench's requests; tracing starts at the
+              first size's snapshot and slows the operator and inflates its RSS: read RSS from a run
+              without it
 Every wait has a timeout: a size whose jobs are not all Running in time is measured as it stands.
 `keeping_up` is false, with the reasons, when jobs were not all Running in time, a replacement JobSet
 was not seen within --reaction-timeout, or the status staleness p99 exceeds --keep-up-staleness.
@@ -53,9 +62,11 @@ import os
 import random
 import signal
 import sys
+import sysconfig
 import tempfile
 import threading
 import time
+import tracemalloc
 import urllib.parse
 from collections import Counter
 from collections.abc import Iterator
@@ -286,6 +297,135 @@ def audit_size(path: Path | None) -> int:
     return path.stat().st_size if path is not None and path.exists() else 0
 
 
+# --- tracemalloc: where the operator's memory goes, per job ------------------------------------------
+
+TRACEMALLOC_HOOK = Path(__file__).resolve().parent / "tracemalloc_hook"  # its sitecustomize.py
+STDLIB = tuple(str(Path(p).resolve()) for p in {sysconfig.get_paths()["stdlib"], sysconfig.get_paths()["platstdlib"]})
+Groups = dict[str, Counter[str]]
+
+
+def _short(filename: str) -> str:
+    """A frame's file as a package path: .../site-packages/kopf/x.py -> kopf/x.py, stdlib -> json/decoder.py."""
+    for marker in ("/site-packages/", "/src/"):
+        if marker in filename:
+            return filename.rsplit(marker, 1)[1]
+    for root in (*STDLIB, str(REPO_ROOT)):
+        if filename.startswith(root + "/"):
+            return filename[len(root) + 1 :]
+    return filename
+
+
+def _is_stdlib(filename: str) -> bool:
+    return filename.startswith("<") or (filename.startswith(STDLIB) and "/site-packages/" not in filename)
+
+
+def allocation_groups(snapshot: tracemalloc.Snapshot) -> Groups:
+    """Bytes traced, grouped three ways: `line` the allocating line (tracemalloc's 'lineno'); `site`
+    the most recent frame outside the standard library (json.loads under kopf's watcher is kopf's
+    watcher: who asked for the memory, not the decoder that made it); `module` that site's package."""
+    groups: Groups = {"line": Counter(), "site": Counter(), "module": Counter(), "blocks": Counter()}
+    cache: dict[Any, tuple[str, str, str]] = {}
+    raw = snapshot.traces._traces  # type: ignore[attr-defined]  # (domain, size, frames newest first, ...)
+    for _domain, size, frames, *_ in raw:
+        keys = cache.get(frames)
+        if keys is None:
+            top = f"{_short(frames[0][0])}:{frames[0][1]}" if frames else "?"
+            own = next((f for f in frames if not _is_stdlib(f[0])), frames[0] if frames else ("?", 0))
+            site = _short(own[0])
+            keys = cache[frames] = (top, f"{site}:{own[1]}", site.split("/", 1)[0].removesuffix(".py"))
+        groups["line"][keys[0]] += size
+        groups["site"][keys[1]] += size
+        groups["module"][keys[2]] += size
+        groups["blocks"][keys[1]] += 1
+    return groups
+
+
+def per_job_table(groups: Groups, jobs: int, previous: tuple[int, Groups] | None, top: int = 25) -> dict[str, Any]:
+    """Each group's top entries: bytes, and bytes per job: the growth since the previous size over
+    the jobs added when there is one (what a job costs, the fixed part cancelled), else bytes / jobs."""
+    base_jobs, base = previous if previous is not None else (0, {k: Counter() for k in groups})
+    added = jobs - base_jobs
+    table: dict[str, Any] = {}
+    for kind in ("module", "site", "line"):
+        grown = Counter(groups[kind])
+        grown.subtract(base[kind])
+        table[kind] = [
+            {
+                "where": key,
+                "bytes": groups[kind][key],
+                "bytes_per_job": round(delta / added) if added else None,
+                **({"blocks": groups["blocks"][key]} if kind == "site" else {}),
+            }
+            for key, delta in grown.most_common(top)
+        ]
+    total, base_total = sum(groups["module"].values()), sum(base["module"].values())
+    return {
+        "traced_mb": round(total / 2**20, 1),
+        "traced_bytes_per_job": round((total - base_total) / added) if added else None,
+        "per_job_from": (
+            f"traced since tracing began at {base_jobs} jobs (what was allocated since, not only what jobs added)"
+            if previous is not None and not base_total
+            else f"growth from {base_jobs} to {jobs} jobs"
+        ),
+        **table,
+    }
+
+
+class TracemallocProbe:
+    """Asks the operator's hook (bench/tracemalloc_hook/sitecustomize.py) to start tracing (after the
+    first size) and then for a snapshot and its holders per size, each size's groups kept to subtract
+    from the next size's: what the jobs added in between cost, whatever was allocated before tracing."""
+
+    def __init__(self, directory: Path) -> None:
+        self.directory = directory
+        self.previous: tuple[int, Groups] | None = None
+        self.previous_holders: dict[str, dict[str, int]] = {}
+
+    def measure(self, jobs: int, timeout: float = 600.0) -> dict[str, Any]:
+        label = f"jobs-{jobs}"
+        (self.directory / f"{label}.request").write_text("")
+        holders_file = self.directory / f"{label}.holders.json"
+        deadline = time.monotonic() + timeout
+        while not holders_file.exists():
+            if time.monotonic() > deadline:
+                return {"error": f"no answer from the operator's tracemalloc hook in {timeout:.0f} s"}
+            time.sleep(1.0)
+        document = json.loads(holders_file.read_text())
+        if "error" in document:
+            return {"error": f"the operator's tracemalloc hook: {document['error']}"}
+        base_jobs = self.previous[0] if self.previous else 0
+        holders = {
+            name: {
+                **row,
+                "bytes_per_job": round(
+                    (row["bytes"] - self.previous_holders.get(name, {}).get("bytes", 0)) / (jobs - base_jobs)
+                ),
+            }
+            for name, row in sorted(document["holders"].items(), key=lambda item: -item[1]["bytes"])
+        }
+        result: dict[str, Any] = {
+            "measure": "holders: deep size in the operator (sys.getsizeof over gc.get_referents, each object "
+            "counted once, to the first holder that reaches it), bytes_per_job over the jobs added since the "
+            "size before; then tracemalloc's allocations still held, by where they were made",
+            "holders": holders,
+        }
+        snapshot_file = self.directory / f"{label}.snapshot"
+        if not snapshot_file.exists():  # tracing starts now
+            groups: Groups = {kind: Counter() for kind in ("line", "site", "module", "blocks")}
+            result["tracemalloc"] = "started: traced from here on (the next size reports)"
+        else:
+            groups = allocation_groups(tracemalloc.Snapshot.load(str(snapshot_file)))
+            snapshot_file.unlink()
+            result.update(
+                traced_peak_mb=round(document["traced_peak_bytes"] / 2**20, 1),
+                tracemalloc_overhead_mb=round(document["tracemalloc_overhead_bytes"] / 2**20, 1),
+                **per_job_table(groups, jobs, self.previous),
+            )
+        result["hook_seconds"] = document["seconds"]
+        self.previous, self.previous_holders = (jobs, groups), document["holders"]
+        return result
+
+
 # --- the bench ----------------------------------------------------------------------------------------
 
 
@@ -367,8 +507,10 @@ class JobSetWatch:
 
 
 class Bench:
-    def __init__(self, cluster: DevCluster, proxy: CountingProxy, args: argparse.Namespace) -> None:
-        self.cluster, self.proxy, self.args = cluster, proxy, args
+    def __init__(
+        self, cluster: DevCluster, proxy: CountingProxy, args: argparse.Namespace, memory: TracemallocProbe | None
+    ) -> None:
+        self.cluster, self.proxy, self.args, self.memory = cluster, proxy, args, memory
         self.kube = config.new_client_from_config(str(cluster.kubeconfig))
         self.custom = client.CustomObjectsApi(self.kube)
         self.core = client.CoreV1Api(self.kube)
@@ -444,6 +586,15 @@ class Bench:
             time.sleep(args.settle_seconds)  # the stubs' writes spread out; start-up work drains
         result["idle"] = self.idle_window(size)
         result["status_staleness"] = self.staleness()
+        if self.memory is not None:  # before the kills: the idle fleet's memory
+            log(f"size {size}: tracemalloc snapshot of the operator")
+            result["tracemalloc"] = memory = self.memory.measure(size)
+            # The largest per job, logged as they come (a long run may not get to print its document).
+            holders = sorted((memory.get("holders") or {}).items(), key=lambda item: -item[1]["bytes_per_job"])
+            sites = [(row["where"], row) for row in memory.get("site") or []]
+            for kind, rows in (("holder", holders), ("site", sites)):
+                for where, row in rows[:12]:
+                    log(f"  {kind} {where}: {row['bytes_per_job']} B/job ({row['bytes']} B)")
         result["reaction"] = self.reactions(args.kills)
         if args.blackhole_kills:
             result["reaction_gcs_blackholed"] = self.blackholed_reactions(size)
@@ -621,11 +772,12 @@ class Bench:
         }
 
 
-def helm_install(kubeconfig: Path, chart: Path, gcs_endpoint: str, pythonpath: str | None) -> None:
+def helm_install(kubeconfig: Path, chart: Path, gcs_endpoint: str, env: dict[str, str]) -> None:
     """The chart as a user installs it, one replica (the one measured); its GCS traffic goes to the
-    counting proxy. With a revision, its sources first on the operator's PYTHONPATH."""
-    env = {"STORAGE_EMULATOR_HOST": gcs_endpoint, **({"PYTHONPATH": pythonpath} if pythonpath else {})}
-    helm_install_operator(kubeconfig, "replicaCount=1", release=RELEASE, chart=chart, env=env)
+    counting proxy; `env` added to the operator's (PYTHONPATH for a revision's sources, tracemalloc's)."""
+    helm_install_operator(
+        kubeconfig, "replicaCount=1", release=RELEASE, chart=chart, env={"STORAGE_EMULATOR_HOST": gcs_endpoint, **env}
+    )
 
 
 @contextmanager
@@ -704,11 +856,20 @@ def run_sizes(
         threading.Thread(target=proxy.serve_forever, daemon=True).start()
         if source is not None:
             cluster.plane.apply_crd(source / "crds" / "trainingjob.yaml")
-        pythonpath = ":".join(str(source / d) for d in SOURCES) if source is not None else None
-        helm_install(cluster.kubeconfig, (source or REPO_ROOT) / "charts" / "tpujob", proxy.endpoint, pythonpath)
+        paths = [str(source / d) for d in SOURCES] if source is not None else []
+        env: dict[str, str] = {}
+        if args.tracemalloc:
+            (temp / "tracemalloc").mkdir()
+            paths.insert(0, str(TRACEMALLOC_HOOK))
+            env.update(
+                TPUJOB_TRACEMALLOC_FRAMES=str(args.tracemalloc), TPUJOB_TRACEMALLOC_DIR=str(temp / "tracemalloc")
+            )
+        if paths:
+            env["PYTHONPATH"] = ":".join(paths)
+        helm_install(cluster.kubeconfig, (source or REPO_ROOT) / "charts" / "tpujob", proxy.endpoint, env)
         cluster_seconds = round(time.monotonic() - t0, 1)
         log(f"devcluster and operator ready in {cluster_seconds} s")
-        bench = Bench(cluster, proxy, args)
+        bench = Bench(cluster, proxy, args, TracemallocProbe(temp / "tracemalloc") if args.tracemalloc else None)
         bench.ensure_namespace()
         for size in sizes:
             t1 = time.monotonic()
@@ -757,6 +918,15 @@ def main() -> None:
     parser.add_argument("--spare-pools", type=int, default=5, help="node pools beyond jobs + kills")
     parser.add_argument("--pod-runner-interval", type=float, default=1.0, help="the pod runner's pass interval (s)")
     parser.add_argument("--operator-rev", help="run this revision's operator and chart (git worktree)")
+    parser.add_argument(
+        "--tracemalloc",
+        type=int,
+        default=0,
+        metavar="FRAMES",
+        help="trace the operator's allocations (FRAMES a trace), from the end of the first size on, and report for "
+        "each later size where its memory is and what a job added since the size before (e.g. --sizes 10,100,200; "
+        "tracing slows the operator and inflates its RSS: measure RSS in a run without it)",
+    )
     parser.add_argument("--seed", type=int, default=11)
     args = parser.parse_args()
     sizes = [int(s) for s in args.sizes.split(",") if s.strip()]
