@@ -108,6 +108,7 @@ def test_the_operator_reads_the_adaptive_cadence_the_trainer_reports():
         checkpoint_interval_bound="young_daly", save_cost_seconds=0.4, checkpoint_overhead_percent=3.2,
         mtbf_seconds=21600.0,
     )  # fmt: skip
+
     def shown(written: contract.ProgressRecord) -> TrainingJobStatus:
         read = contract.from_json(contract.to_json(written).encode())
         return with_observations(TrainingJobStatus(), Observed(now=read.updated, progress=read))
