@@ -237,6 +237,18 @@ def test_recovery_time_is_measured_to_the_first_resumed_step():
     assert status.phase == "Running"
 
 
+def test_a_replacement_that_resumed_at_the_final_step_recovered_when_it_reports_success():
+    # The failed attempt's last save committed the final step after the restart was decided: the
+    # replacement restores it and trains no step, and the failure's cost is measured to its success.
+    failure = {"time": rfc3339(T0), "kind": "ApplicationError", "reason": "ExitCode137", "resumeStep": 100}
+    tj = training_job(status={"phase": "Restarting", "attempt": 1, "lastFailure": failure}, args=["--steps", "100"])
+    progress = _progress(step=100, attempt=1, updated_at=T0 + timedelta(seconds=30), state="succeeded")
+    status, _ = reconcile(
+        tj, Observed(now=T0 + timedelta(seconds=31), jobsets=(_active(attempt=1),), progress=progress)
+    )
+    assert status.last_failure.recovery_seconds == 30.0
+
+
 def test_a_failed_worker_fails_the_attempt_before_the_jobset_says_so():
     # The Job controller marks a Job failed only after the slice's other pods terminated; the
     # operator acts on the first failed pod instead.
