@@ -80,12 +80,12 @@ def with_observations(status: TrainingJobStatus, observed: Observed) -> Training
                 mtbf_seconds=progress.mtbf_seconds,
             )
         failure = status.last_failure
-        if failure is not None and failure.recovery_seconds is None:
-            # The first step trained by the attempt that replaced the failed one, or its success when it
-            # resumed at the final step and had none to train: the failure's cost in time.
-            if progress.step > (failure.resume_step or -1) or progress.state == "succeeded":
-                recovered = (progress.updated - parse_time(failure.time)).total_seconds()  # type: ignore[operator]
-                update["last_failure"] = failure.model_copy(update={"recovery_seconds": round(recovered, 1)})
+        # The first step trained by the attempt that replaced the failed one, or its success when it
+        # resumed at the final step and had none to train: the failure's cost in time.
+        recovered = progress.state == "succeeded" or progress.step > (failure.resume_step or -1 if failure else -1)
+        if failure is not None and failure.recovery_seconds is None and recovered:
+            seconds = (progress.updated - parse_time(failure.time)).total_seconds()  # type: ignore[operator]
+            update["last_failure"] = failure.model_copy(update={"recovery_seconds": round(seconds, 1)})
     return status.model_copy(update=update)
 
 
