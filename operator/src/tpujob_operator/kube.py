@@ -6,6 +6,7 @@ Blocking kubernetes-client calls; handlers run them in a worker thread.
 
 from __future__ import annotations
 
+import json
 import logging
 from datetime import UTC, datetime
 from typing import Any, cast
@@ -58,8 +59,24 @@ class Cluster:
 
     def __init__(self) -> None:
         self.custom = client.CustomObjectsApi()
-        self.core = client.CoreV1Api()
         self.coordination = client.CoordinationV1Api()
+
+    def _core(
+        self, method: str, path: str, query: list[tuple[str, Any]] | None = None, body: Any = None
+    ) -> dict[str, Any]:
+        """A core/v1 call through the generic client, its JSON answer as a dict. Not client.CoreV1Api:
+        that module alone is about 20 MB of the operator's memory, for the three calls made here."""
+        api_client = self.custom.api_client
+        headers = {"Accept": "application/json"} | ({"Content-Type": "application/json"} if body is not None else {})
+        request = api_client.param_serialize(
+            method, f"/api/v1/{path}", query_params=query or [], header_params=headers, body=body,
+            auth_settings=["BearerToken"],
+        )  # fmt: skip
+        response = api_client.call_api(*request, _request_timeout=REQUEST_TIMEOUT_SECONDS)
+        response.read()
+        if not 200 <= response.status <= 299:
+            raise ApiException.from_response(http_resp=response, body=None, data=None)
+        return cast(dict[str, Any], json.loads(response.data or b"{}"))
 
     def get_training_job(self, namespace: str, name: str) -> dict[str, Any] | None:
         try:
@@ -77,22 +94,24 @@ class Cluster:
         Security admission, a webhook), or JobCreationFailed the JobSet controller reported for the
         JobSet (the apiserver refused its Jobs: a pod template the Job API rejects, retried forever):
         pods or Jobs that are refused never exist, so only Events say why."""
-        found = self.core.list_namespaced_event(
-            namespace,
-            field_selector="involvedObject.kind=Job,reason=FailedCreate",
-            _request_timeout=REQUEST_TIMEOUT_SECONDS,
-        )
-        mine = [e for e in found.items if str(e.involved_object.name or "").startswith(f"{jobset_name}-")]
-        jobs_refused = self.core.list_namespaced_event(
-            namespace,
-            field_selector=f"involvedObject.kind=JobSet,involvedObject.name={jobset_name},reason={JOB_CREATION_FAILED}",
-            _request_timeout=REQUEST_TIMEOUT_SECONDS,
-        )
-        mine += jobs_refused.items
+        events = f"namespaces/{namespace}/events"
+        found = self._core("GET", events, [("fieldSelector", "involvedObject.kind=Job,reason=FailedCreate")])
+        mine = [
+            e
+            for e in found.get("items") or []
+            if str((e.get("involvedObject") or {}).get("name") or "").startswith(f"{jobset_name}-")
+        ]
+        selector = f"involvedObject.kind=JobSet,involvedObject.name={jobset_name},reason={JOB_CREATION_FAILED}"
+        mine += self._core("GET", events, [("fieldSelector", selector)]).get("items") or []
         if not mine:
             return None
-        newest = max(mine, key=lambda e: str(e.last_timestamp or e.event_time or e.metadata.creation_timestamp))
-        return str(newest.message or "the Job controller could not create a worker pod")
+
+        def when(event: dict[str, Any]) -> str:
+            created = (event.get("metadata") or {}).get("creationTimestamp")
+            return str(event.get("lastTimestamp") or event.get("eventTime") or created)
+
+        newest = max(mine, key=when)
+        return str(newest.get("message") or "the Job controller could not create a worker pod")
 
     def workload_of(self, namespace: str, jobset_uid: str) -> dict[str, Any] | None:
         """Kueue's Workload for a JobSet (label kueue.x-k8s.io/job-uid); None without Kueue or RBAC for it."""
@@ -194,12 +213,11 @@ class Cluster:
         replacement from scheduling for minutes."""
         try:
             if not save:
-                self.core.delete_collection_namespaced_pod(
-                    namespace,
-                    label_selector=f"{JOBSET_NAME_LABEL}={name}",
-                    grace_period_seconds=FAILED_ATTEMPT_GRACE_SECONDS,
-                    _request_timeout=REQUEST_TIMEOUT_SECONDS,
-                )
+                query = [
+                    ("labelSelector", f"{JOBSET_NAME_LABEL}={name}"),
+                    ("gracePeriodSeconds", FAILED_ATTEMPT_GRACE_SECONDS),
+                ]
+                self._core("DELETE", f"namespaces/{namespace}/pods", query)
         except ApiException as error:
             if error.status != 404:
                 raise
@@ -240,7 +258,7 @@ class Cluster:
             "lastTimestamp": moment,
             "count": 1,
         }
-        self.core.create_namespaced_event(meta["namespace"], cast(Any, event), _request_timeout=REQUEST_TIMEOUT_SECONDS)
+        self._core("POST", f"namespaces/{meta['namespace']}/events", body=event)
 
     def set_jobset_suspend(self, namespace: str, name: str, suspend: bool) -> None:
         annotations = {ANNOTATION_SUSPENDED: str(suspend).lower()}
