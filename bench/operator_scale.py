@@ -82,7 +82,7 @@ import yaml
 from kubernetes import client, config, watch
 from kubernetes.client.exceptions import ApiException
 from tpujob_contract import JOBSET_GROUP, JOBSET_PLURAL, JOBSET_VERSION, LABEL_ATTEMPT, LABEL_NAME
-from tpujob_devcluster.cluster import BUCKET, DevCluster, Pool
+from tpujob_devcluster.cluster import BUCKET, DevCluster
 from tpujob_devcluster.controlplane import REPO_ROOT
 from tpujob_devcluster.harness import (
     OPERATOR_NAMESPACE,
@@ -94,6 +94,7 @@ from tpujob_devcluster.harness import (
     signal_pod,
     worktree,
 )
+from tpujob_devcluster.pools import Pool
 
 GROUP, VERSION, PLURAL = contract.TRAININGJOB_GROUP, contract.TRAININGJOB_VERSION, contract.TRAININGJOB_PLURAL
 NAMESPACE = "scale"

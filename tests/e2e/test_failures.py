@@ -7,7 +7,7 @@ import time
 from typing import Any
 
 from kubernetes import client
-from tpujob_devcluster.cluster import Pool, node_manifests
+from tpujob_devcluster.pools import Pool, node_manifests
 
 from .conftest import E2E
 

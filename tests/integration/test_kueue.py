@@ -25,7 +25,7 @@ from tpujob_contract import (
     TOPOLOGY_LABEL,
     TPU_RESOURCE,
 )
-from tpujob_devcluster.cluster import DevCluster, load_pools
+from tpujob_devcluster.cluster import DevCluster
 from tpujob_devcluster.kueue import (
     CLUSTER_QUEUE,
     HIGH_PRIORITY,
@@ -35,6 +35,7 @@ from tpujob_devcluster.kueue import (
     flavor_name,
     queue_manifests,
 )
+from tpujob_devcluster.pools import load_pools
 
 pytestmark = pytest.mark.integration
 T = TypeVar("T")

@@ -32,7 +32,7 @@ from .certs import issue_serving_cert
 from .controlplane import REPO_ROOT, Component, ControlPlane, ControlPlaneError, free_port, http_ok
 
 if TYPE_CHECKING:
-    from .cluster import Pool
+    from .pools import Pool
 
 QUEUES_FILE = REPO_ROOT / "examples" / "kueue" / "queues.yaml"
 CLUSTER_QUEUE = "tpu"
