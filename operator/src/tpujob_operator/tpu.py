@@ -23,65 +23,25 @@ class AcceleratorFamily:
     max_single_host_chips: int
 
 
+# The 3D shapes v4 and v5p share, and the 2D shapes of v5e and v6e (GKE's tables).
+_CUBES = ("2x2x1", "2x2x2", "2x2x4", "2x4x4", "4x4x4", "4x4x8", "4x8x8", "8x8x8")
+_PLANES = ("1x1", "2x2", "2x4", "4x4", "4x8", "8x8", "8x16", "16x16")
+
 ACCELERATORS: dict[str, AcceleratorFamily] = {
     family.accelerator: family
     for family in (
         AcceleratorFamily(
-            accelerator="tpu-v4-podslice",
-            generation="v4",
-            topologies=(
-                "2x2x1",
-                "2x2x2",
-                "2x2x4",
-                "2x4x4",
-                "4x4x4",
-                "4x4x8",
-                "4x8x8",
-                "8x8x8",
-                "8x8x12",
-                "8x8x16",
-                "8x16x16",
-                "16x16x16",
-            ),
-            chips_per_multihost_vm=4,
-            max_single_host_chips=4,
+            "tpu-v4-podslice", "v4", (*_CUBES, "8x8x12", "8x8x16", "8x16x16", "16x16x16"),
+            chips_per_multihost_vm=4, max_single_host_chips=4,
         ),
         AcceleratorFamily(
-            accelerator="tpu-v5p-slice",
-            generation="v5p",
-            topologies=(
-                "2x2x1",
-                "2x2x2",
-                "2x2x4",
-                "2x4x4",
-                "4x4x4",
-                "4x4x8",
-                "4x8x8",
-                "8x8x8",
-                "8x8x16",
-                "8x16x16",
-                "16x16x16",
-                "16x16x24",
-            ),
-            chips_per_multihost_vm=4,
-            max_single_host_chips=4,
+            "tpu-v5p-slice", "v5p", (*_CUBES, "8x8x16", "8x16x16", "16x16x16", "16x16x24"),
+            chips_per_multihost_vm=4, max_single_host_chips=4,
         ),
-        AcceleratorFamily(
-            accelerator="tpu-v5-lite-podslice",
-            generation="v5e",
-            topologies=("1x1", "2x2", "2x4", "4x4", "4x8", "8x8", "8x16", "16x16"),
-            chips_per_multihost_vm=4,
-            max_single_host_chips=8,
-        ),
-        AcceleratorFamily(
-            accelerator="tpu-v6e-slice",
-            generation="v6e",
-            topologies=("1x1", "2x2", "2x4", "4x4", "4x8", "8x8", "8x16", "16x16"),
-            chips_per_multihost_vm=4,
-            max_single_host_chips=8,
-        ),
+        AcceleratorFamily("tpu-v5-lite-podslice", "v5e", _PLANES, chips_per_multihost_vm=4, max_single_host_chips=8),
+        AcceleratorFamily("tpu-v6e-slice", "v6e", _PLANES, chips_per_multihost_vm=4, max_single_host_chips=8),
     )
-}
+}  # fmt: skip
 
 
 class UnknownTpuShape(ValueError):
