@@ -793,7 +793,7 @@ def operator_source(rev: str | None, parent: Path) -> Iterator[tuple[str, Path |
 
 
 TARGETS = {
-    "operator_rss_mb": 250,
+    "operator_rss_mb": 200,
     "reaction_p99_s": 2.0,
     "reaction_gcs_blackholed_p99_s": 2.0,
     "periodic_list_calls": 0,
