@@ -82,8 +82,8 @@ def with_observations(status: TrainingJobStatus, observed: Observed) -> Training
         failure = status.last_failure
         # The first step trained by the attempt that replaced the failed one, or its success when it
         # resumed at the final step and had none to train: the failure's cost in time.
-        recovered = progress.state == "succeeded" or progress.step > (failure.resume_step or -1 if failure else -1)
-        if failure is not None and failure.recovery_seconds is None and recovered:
+        trained = failure is not None and progress.step > (failure.resume_step or -1)
+        if failure is not None and failure.recovery_seconds is None and (trained or progress.state == "succeeded"):
             seconds = (progress.updated - parse_time(failure.time)).total_seconds()  # type: ignore[operator]
             update["last_failure"] = failure.model_copy(update={"recovery_seconds": round(seconds, 1)})
     return status.model_copy(update=update)
