@@ -71,6 +71,12 @@ def _running_worker(cluster: Cluster, jobset: Any) -> None:
     )
 
 
+def _no_namespace_terminating(kube: client.ApiClient) -> bool:
+    """Earlier tests' namespaces are deleted when they end; the namespace controller LISTs every resource
+    in one while it empties it, which the apiserver's counters cannot tell from the operator's reads."""
+    return not any(ns.metadata.deletion_timestamp for ns in client.CoreV1Api(kube).list_namespace().items)
+
+
 def _write_progress(bucket: storage.Bucket, run: str, uid: str, step: int) -> None:
     record = {"step": step, "attempt": 0, "uid": uid, "updated_at": datetime.now(UTC).isoformat(), "loss": 1.0}
     bucket.blob(f"{run}/{checkpoints.PROGRESS_FILE}").upload_from_string(json.dumps(record))
@@ -92,6 +98,7 @@ def test_training_jobs_cost_the_apiserver_no_periodic_list_or_get(
     for name in names:
         eventually(lambda n=name: cluster.status(n).get("phase") == "Running", what=f"{name} Running")
 
+    eventually(lambda: _no_namespace_terminating(kube), timeout=120, what="earlier tests' namespaces gone")
     before = _requests(kube)
     time.sleep(8)  # about 8 progress checks of every job
     after = _requests(kube)
