@@ -74,7 +74,9 @@ def _running_worker(cluster: Cluster, jobset: Any) -> None:
 def _no_namespace_terminating(kube: client.ApiClient) -> bool:
     """Earlier tests' namespaces are deleted when they end; the namespace controller LISTs every resource
     in one while it empties it, which the apiserver's counters cannot tell from the operator's reads."""
-    return not any(ns.metadata.deletion_timestamp for ns in client.CoreV1Api(kube).list_namespace().items)
+    return not any(
+        ns.metadata and ns.metadata.deletion_timestamp for ns in client.CoreV1Api(kube).list_namespace().items
+    )
 
 
 def _write_progress(bucket: storage.Bucket, run: str, uid: str, step: int) -> None:
