@@ -1,12 +1,16 @@
 """Table tests of the JobSet builder against reviewed golden manifests (regenerate with
 UPDATE_GOLDEN=1 and review the diff)."""
 
+import json
 import os
+import shlex
 from pathlib import Path
 
 import pytest
 import yaml
 from pydantic import ValidationError
+from tpujob_contract import ExitCode
+from tpujob_operator import frameworks
 from tpujob_operator.jobset import build_jobset, coordinator_host, jobset_name
 from tpujob_operator.tpu import slice_shape
 
@@ -31,6 +35,12 @@ CASES = {
         serviceAccountName="trainer",
         automountServiceAccountToken=True,
     ),
+    "v5p-2-slices-in-place": dict(
+        accelerator="tpu-v5p-slice",
+        topology="2x2x2",
+        slices=2,
+        restart={"strategy": "InPlace", "inPlace": {"maxRestarts": 5}},
+    ),
 }
 
 
@@ -53,7 +63,8 @@ def test_shape_and_placement_follow_the_tpu_table(case):
     pod = job["template"]["spec"]
     assert rjob["replicas"] == tj.spec.tpu.slices
     assert job["parallelism"] == job["completions"] == shape.hosts
-    assert job["backoffLimit"] == 0 and job["completionMode"] == "Indexed"
+    in_place = tj.spec.restart.strategy == "InPlace"  # JobSet requires a failed pod never to fail its Job
+    assert job["backoffLimit"] == (2**31 - 1 if in_place else 0) and job["completionMode"] == "Indexed"
     assert pod["nodeSelector"] == {
         "cloud.google.com/gke-tpu-accelerator": tj.spec.tpu.accelerator,
         "cloud.google.com/gke-tpu-topology": tj.spec.tpu.topology,
@@ -63,7 +74,8 @@ def test_shape_and_placement_follow_the_tpu_table(case):
         manifest["metadata"]["annotations"]["alpha.jobset.sigs.k8s.io/exclusive-topology"]
         == "cloud.google.com/gke-nodepool"
     )
-    assert manifest["spec"]["failurePolicy"] == {"maxRestarts": 0}
+    if not in_place:  # the in-place tests below check the other
+        assert manifest["spec"]["failurePolicy"] == {"maxRestarts": 0}
     assert manifest["metadata"]["ownerReferences"][0]["uid"] == "0000-1111"
 
 
@@ -149,3 +161,51 @@ def test_worker_pods_meet_the_restricted_pod_security_standard():
     assert spec["automountServiceAccountToken"] is False
     asked = build_jobset(training_job(automountServiceAccountToken=True), attempt=0, resume_step=None)
     assert asked["spec"]["replicatedJobs"][0]["template"]["spec"]["template"]["spec"]["automountServiceAccountToken"]
+
+
+def _worker(manifest):
+    return manifest["spec"]["replicatedJobs"][0]["template"]["spec"]["template"]["spec"]["containers"][0]
+
+
+@pytest.mark.parametrize("framework", ["tpujob", "maxtext"])
+def test_in_place_wraps_the_images_entrypoint_in_jobsets_agent(framework):
+    spec = {"framework": framework, "restart": {"strategy": "InPlace"}}
+    if framework == "maxtext":
+        spec.update(
+            args=["model_name=default", "steps=10"],
+            checkpoint={"directory": "gs://acme-ckpt/runs/", "policy": "interval", "intervalSteps": 5},
+        )
+    in_place = build_jobset(training_job(**spec), attempt=0, resume_step=None)
+    recreate = build_jobset(training_job(**{**spec, "restart": {}}), attempt=0, resume_step=None)
+    worker, plain = _worker(in_place), _worker(recreate)
+    env = {e["name"]: e.get("value") for e in worker["env"]}
+    entrypoint = {"tpujob": ["tpujob-train"], "maxtext": ["python3", "-m", "maxtext.trainers.pre_train.train"]}
+    assert shlex.split(env["WORKER_COMMAND"]) == [*entrypoint[framework], *plain.get("args", [])]
+    assert worker["command"] == ["in-place-restart-agent"] and "args" not in worker
+    assert env["IN_PLACE_RESTART_EXIT_CODE"] == "86"
+    # What the agent's worker sees: the same env as a Recreate attempt's worker, nothing left out.
+    assert [e for e in worker["env"] if e["name"] in {p["name"] for p in plain["env"]}] == plain["env"]
+    assert in_place["spec"]["failurePolicy"] == {"restartStrategy": "InPlaceRestart", "maxRestarts": 3}
+    assert recreate["spec"]["failurePolicy"] == {"maxRestarts": 0}
+
+
+def test_in_place_restarts_every_exit_but_success_and_those_no_restart_can_fix():
+    worker = _worker(build_jobset(training_job(restart={"strategy": "InPlace"}), attempt=0, resume_step=None))
+    (rule,) = worker["restartPolicyRules"]
+    assert rule["action"] == "Restart" and rule["exitCodes"]["operator"] == "NotIn"
+    assert sorted(rule["exitCodes"]["values"]) == sorted(
+        int(c)
+        for c in (
+            ExitCode.OK,
+            ExitCode.BAD_CONFIG,
+            ExitCode.CHECKPOINT_INCOMPATIBLE,
+            ExitCode.STORAGE_PERMISSION_DENIED,
+        )
+    )
+    assert 86 not in rule["exitCodes"]["values"] and int(ExitCode.PREEMPTED) not in rule["exitCodes"]["values"]
+
+
+def test_the_tpujob_frameworks_entrypoint_is_the_trainer_images():
+    dockerfile = (Path(__file__).parents[2] / "trainer_image" / "Dockerfile").read_text()
+    (line,) = [line for line in dockerfile.splitlines() if line.startswith("ENTRYPOINT")]
+    assert tuple(json.loads(line.removeprefix("ENTRYPOINT"))) == frameworks.adapter("tpujob").entrypoint

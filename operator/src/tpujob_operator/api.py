@@ -59,6 +59,8 @@ NAME_LENGTH_MESSAGE = (
 MAX_SECONDS = 7 * 24 * 3600  # restart backoff and every stage timeout: at most a week
 MAX_MIN_INTERVAL_SECONDS = 24 * 3600
 MAX_RESTARTS = 10_000
+# The restart ladder's rungs (spec.restart.strategy): the first a failure takes.
+RestartStrategy = Literal["InPlace", "Recreate"]
 MAX_KEEP_LATEST = 1000
 MAX_STEPS = 1_000_000_000
 MAX_ENV = 256
@@ -559,6 +561,27 @@ class CheckpointSpec(ApiModel):
         return self
 
 
+class InPlaceSpec(ApiModel):
+    max_restarts: int = Field(
+        default=3,
+        ge=0,
+        le=MAX_RESTARTS,
+        description=(
+            "In-place restarts one attempt may take; the failure after them recreates the JobSet (the Recreate "
+            "rung), whose attempt starts counting again."
+        ),
+    )
+    recovery_deadline_seconds: int = Field(
+        default=300,
+        ge=0,
+        le=MAX_SECONDS,
+        description=(
+            "An in-place restart that has not trained a new step this long after the failure is abandoned: the "
+            "JobSet is recreated (0 disables)."
+        ),
+    )
+
+
 class RestartSpec(ApiModel):
     model_config = ConfigDict(
         json_schema_extra={
@@ -574,6 +597,21 @@ class RestartSpec(ApiModel):
         }
     )
 
+    strategy: RestartStrategy = Field(
+        default="Recreate",
+        description=(
+            "How a failed attempt restarts. Recreate: a new JobSet, every pod rescheduled. InPlace: JobSet's "
+            "in-place restart (every worker container restarts on its node, pods and volumes kept; a pod whose "
+            "node is gone is recreated), climbing to Recreate after inPlace.maxRestarts or "
+            "inPlace.recoveryDeadlineSeconds. InPlace needs JobSet's InPlaceRestart and Kubernetes' "
+            "ContainerRestartRules feature gates and the agent in the image (README)."
+        ),
+    )
+    in_place: InPlaceSpec = Field(
+        default_factory=InPlaceSpec,
+        description="The in-place rung of the restart ladder (strategy InPlace).",
+        json_schema_extra={"default": {}},
+    )
     max_restarts: int = Field(
         default=3, ge=0, le=MAX_RESTARTS, description="Restarts allowed for failures that count against the budget."
     )

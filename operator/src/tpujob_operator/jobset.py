@@ -10,6 +10,7 @@ find the JAX coordinator at <jobset>-slice-0-0.<jobset>.
 from __future__ import annotations
 
 import copy
+import shlex
 from datetime import UTC, datetime
 from typing import Any
 
@@ -50,6 +51,22 @@ TERMINATION_GRACE_SECONDS = 120
 # reach the container through the device plugin, without privileges.
 POD_SECURITY_CONTEXT: dict[str, Any] = {"runAsNonRoot": True, "seccompProfile": {"type": "RuntimeDefault"}}
 CONTAINER_SECURITY_CONTEXT: dict[str, Any] = {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}}
+
+# spec.restart.strategy InPlace: JobSet's InPlaceRestart (KEP-467, JobSet v0.11). Its agent wraps the worker:
+# it waits at the JobSet's barrier, runs WORKER_COMMAND, and exits with the worker's code, or with
+# IN_PLACE_RESTART_EXIT_CODE when another pod's failure asks every worker to restart. The kubelet then
+# restarts the container on its node (container restartPolicyRules, Kubernetes' ContainerRestartRules).
+IN_PLACE_AGENT = "in-place-restart-agent"  # on the trainer image's PATH (README: what a cluster needs)
+IN_PLACE_RESTART_EXIT_CODE = 86  # no trainer exit code (contract.ExitCode) and no 128+signal
+JOBSET_NAME_ANNOTATION = "jobset.sigs.k8s.io/jobset-name"  # the JobSet controller sets it on every pod
+# Exits no restart can fix: the container ends, its pod fails, and the operator gives up (restarts.py).
+_NOT_RESTARTED_IN_PLACE = (
+    contract.ExitCode.OK,
+    contract.ExitCode.BAD_CONFIG,
+    contract.ExitCode.CHECKPOINT_INCOMPATIBLE,
+    contract.ExitCode.STORAGE_PERMISSION_DENIED,
+)
+JOB_BACKOFF_LIMIT_MAX = 2**31 - 1  # JobSet's InPlaceRestart requires it: a failed pod never fails its Job
 
 
 def jobset_name(name: str, attempt: int) -> str:
@@ -215,6 +232,18 @@ def build_jobset(tj: TrainingJob, attempt: int, resume_step: int | None, queue: 
         pod_spec["serviceAccountName"] = tj.spec.service_account_name
     if tj.spec.priority_class_name:
         pod_spec["priorityClassName"] = tj.spec.priority_class_name
+    job_spec: dict[str, Any] = {
+        "parallelism": shape.hosts,
+        "completions": shape.hosts,
+        "completionMode": "Indexed",
+        "backoffLimit": 0,
+        "template": {"metadata": {"labels": dict(labels)}, "spec": pod_spec},
+    }
+    # The operator, not JobSet, restarts a Recreate: a restart must pin the latest committed step
+    # (found in GCS) into the workers' env and be classified and accounted for in status.
+    failure_policy: dict[str, Any] = {"maxRestarts": 0}
+    if tj.spec.restart.strategy == "InPlace":
+        failure_policy = _in_place(tj, container, pod_spec, job_spec, framework.entrypoint)
     return {
         "apiVersion": f"{JOBSET_GROUP}/{JOBSET_VERSION}",
         "kind": "JobSet",
@@ -230,9 +259,7 @@ def build_jobset(tj: TrainingJob, attempt: int, resume_step: int | None, queue: 
             "ownerReferences": [owner_reference(tj)],
         },
         "spec": {
-            # The operator, not JobSet, restarts: a restart must pin the latest committed step
-            # (found in GCS) into the workers' env and be classified and accounted for in status.
-            "failurePolicy": {"maxRestarts": 0},
+            "failurePolicy": failure_policy,
             "network": {"enableDNSHostnames": True, "publishNotReadyAddresses": True},
             "suspend": tj.spec.suspend or queue is not None,
             "replicatedJobs": [
@@ -241,18 +268,44 @@ def build_jobset(tj: TrainingJob, attempt: int, resume_step: int | None, queue: 
                     "replicas": tj.spec.tpu.slices,
                     "template": {
                         "metadata": {"labels": dict(labels)},
-                        "spec": {
-                            "parallelism": shape.hosts,
-                            "completions": shape.hosts,
-                            "completionMode": "Indexed",
-                            "backoffLimit": 0,
-                            "template": {"metadata": {"labels": dict(labels)}, "spec": pod_spec},
-                        },
+                        "spec": job_spec,
                     },
                 }
             ],
         },
     }
+
+
+def _in_place(
+    tj: TrainingJob,
+    container: dict[str, Any],
+    pod_spec: dict[str, Any],
+    job_spec: dict[str, Any],
+    entrypoint: tuple[str, ...],
+) -> dict[str, Any]:
+    """Make the attempt's pods restart in place (mutates the three dicts the builder made); the JobSet's
+    failurePolicy. JobSet fails the attempt when one in-place restart more than inPlace.maxRestarts is
+    needed, and the operator then recreates it: the ladder's climb is JobSet's own count."""
+    worker = [*(tj.spec.command or entrypoint), *container.pop("args", [])]
+    container["command"] = [IN_PLACE_AGENT]
+    container["env"] = [
+        *container["env"],
+        {
+            "name": "JOBSET_NAME",
+            "valueFrom": {"fieldRef": {"fieldPath": f"metadata.annotations['{JOBSET_NAME_ANNOTATION}']"}},
+        },
+        {"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
+        _env("IN_PLACE_RESTART_EXIT_CODE", IN_PLACE_RESTART_EXIT_CODE),
+        _env("WORKER_COMMAND", shlex.join(worker)),
+    ]
+    container["restartPolicy"] = "Never"
+    container["restartPolicyRules"] = [
+        {"action": "Restart", "exitCodes": {"operator": "NotIn", "values": [int(c) for c in _NOT_RESTARTED_IN_PLACE]}}
+    ]
+    pod_spec["automountServiceAccountToken"] = True  # the agent reads its JobSet and annotates its pod
+    job_spec["backoffLimit"] = JOB_BACKOFF_LIMIT_MAX
+    job_spec["podReplacementPolicy"] = "Failed"  # a replacement starts once the old pod has let go of its node
+    return {"restartStrategy": "InPlaceRestart", "maxRestarts": tj.spec.restart.in_place.max_restarts}
 
 
 # Decoding: what the API returns (plain dicts in its camelCase) -> facts.py. Reads back the labels and

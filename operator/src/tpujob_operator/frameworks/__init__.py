@@ -2,7 +2,7 @@
 nothing else. The contract's env, the JobSet, restarts, goodput and status are the same for every one.
 
 A Framework says
-- the worker container's args, and the env it adds after the contract's (jobset.build_jobset);
+- its image's entrypoint, the worker container's args, and the env it adds after the contract's (jobset.build_jobset);
 - the step a run that trained to the end has committed last (reconcile: a completion is success);
 - how its progress is read: the project's trainer writes a progress record, fetched with the run's
   other storage reads; MaxText writes none, its progress is derived from the checkpoint listing and
@@ -39,6 +39,8 @@ class Framework(Protocol):
     # listing instead of the record); False: its record comes with those reads, read_progress adds nothing.
     progress_from_listing: bool
     slice_index_env: tuple[str, ...]  # env names the JobSet builder sets to the worker's slice index
+    # Its image's ENTRYPOINT: what a wrapper (JobSet's in-place restart agent) runs when spec.command is unset.
+    entrypoint: tuple[str, ...]
     cel_rules: Sequence[JsonValue]  # on spec; each tests spec.framework itself
 
     def refusals(self, spec: Any) -> list[str]:

@@ -263,6 +263,7 @@ class MaxText:
     name = MAXTEXT
     progress_from_listing = True  # it writes no progress record: read_progress derives one
     slice_index_env: tuple[str, ...] = (JOB_INDEX,)
+    entrypoint: tuple[str, ...] = ("python3", "-m", "maxtext.trainers.pre_train.train")  # MaxText images
     cel_rules: Sequence[JsonValue] = MAXTEXT_CEL_RULES
 
     def refusals(self, spec: Any) -> list[str]:

@@ -48,6 +48,7 @@ class Tpujob:
     name = NAME
     progress_from_listing = False  # it writes a progress record
     slice_index_env: tuple[str, ...] = ()
+    entrypoint: tuple[str, ...] = ("tpujob-train",)  # trainer_image/Dockerfile
     cel_rules: Sequence[JsonValue] = ()
 
     def refusals(self, spec: Any) -> list[str]:
