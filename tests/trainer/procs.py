@@ -10,7 +10,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import IO, Any
 
@@ -115,9 +115,11 @@ class Job:
         slices: int = 1,
         coordinator: str | None = None,
         only: Sequence[int] | None = None,
+        process_env: Callable[[int], dict[str, str]] | None = None,
     ) -> Attempt:
         """Launch one attempt: `processes` trainer processes laid out as `slices` equal slices, serving
-        or dialing `coordinator` (default: a free loopback port); `only` starts just those processes."""
+        or dialing `coordinator` (default: a free loopback port); `only` starts just those processes;
+        `process_env(index)` adds to one process's environment (its own node's paths, say)."""
         common = self.env(**(env or {}))
         hosts_per_slice = processes // slices
         if processes > 1:
@@ -139,6 +141,7 @@ class Job:
                         **common,
                         "TPUJOB_SLICE_ID": str(index // hosts_per_slice),
                         "JOB_COMPLETION_INDEX": str(index % hosts_per_slice),
+                        **(process_env(index) if process_env else {}),
                     },
                     stdout=out,
                     stderr=subprocess.STDOUT,

@@ -69,6 +69,11 @@ DEFAULT_STEPS: Final = 100
 # how often it writes its progress record, and where its compilation cache is ("off": none).
 PROGRESS_INTERVAL_ENV: Final = "TPUJOB_PROGRESS_INTERVAL_SECONDS"
 COMPILATION_CACHE_ENV: Final = "TPUJOB_COMPILATION_CACHE_DIR"
+# The trainer's local checkpoint tier (issue 19): the mountPath of a memory-backed emptyDir (absent:
+# no local tier, GCS alone), and how many steps apart it saves there. Not in Env (yet): the operator
+# does not set them today; whoever wires spec -> env moves them there.
+LOCAL_CHECKPOINT_DIR_ENV: Final = "TPUJOB_LOCAL_CHECKPOINT_DIR"
+LOCAL_CHECKPOINT_INTERVAL_STEPS_ENV: Final = "TPUJOB_LOCAL_CHECKPOINT_INTERVAL_STEPS"
 
 
 @dataclass(frozen=True)
@@ -222,6 +227,10 @@ STORAGE_DENIED_PREFIX: Final = "StoragePermissionDenied: "
 # --- the progress record -----------------------------------------------------------------------------
 
 State = Literal["starting", "running", "succeeded", "preempted", "failed", "incompatible"]
+# The tier an attempt's restored step came from (ProgressRecord.restored_from).
+RestoredFrom = Literal["local", "gcs"]
+RESTORED_FROM_LOCAL: Final[RestoredFrom] = "local"
+RESTORED_FROM_GCS: Final[RestoredFrom] = "gcs"
 ERROR_TEXT_LIMIT: Final = 200
 
 
@@ -259,6 +268,7 @@ class ProgressRecord:
     last_committed_step: int | None = None
     resumed_from_step: int | None = None  # kept for readers of older records; same as restored_step
     restored_step: int | None = None  # the step actually restored (older than pinned if that one failed)
+    restored_from: RestoredFrom | None = None  # its tier; None: nothing restored (or an older trainer)
     restore_failures: tuple[RestoreFailure, ...] = ()
     quarantined: tuple[QuarantinedStep, ...] = ()  # of restore_failures, the steps moved to quarantine/
     # Storage refused this attempt (401/403, exit 5): "gs://bucket as <identity>: <error>".

@@ -87,6 +87,28 @@ class CheckpointConfig:
     mtbf_seconds: float | None = None
 
 
+@dataclasses.dataclass(frozen=True)
+class LocalTierConfig:
+    """The local checkpoint tier (local_tier.py): where (an emptyDir's mountPath) and how often."""
+
+    directory: str
+    interval_steps: int
+
+
+DEFAULT_LOCAL_INTERVAL_STEPS = 10
+
+
+def local_tier_config(env: Mapping[str, str]) -> LocalTierConfig | None:
+    """None (no local tier: GCS alone, as before) unless TPUJOB_LOCAL_CHECKPOINT_DIR is set."""
+    directory = env.get(contract.LOCAL_CHECKPOINT_DIR_ENV, "").strip().rstrip("/")
+    if not directory:
+        return None
+    _require(not directory.startswith("gs://"), f"{contract.LOCAL_CHECKPOINT_DIR_ENV}={directory!r}: a local path")
+    interval = _int(env, contract.LOCAL_CHECKPOINT_INTERVAL_STEPS_ENV, DEFAULT_LOCAL_INTERVAL_STEPS)
+    _require(interval >= 1, f"{contract.LOCAL_CHECKPOINT_INTERVAL_STEPS_ENV} must be >= 1, got {interval}")
+    return LocalTierConfig(directory, interval)
+
+
 # JAX's own default wait for every peer at start-up (jax.distributed.initialize): what a process
 # waits without the operator's word (local runs, an older operator).
 DEFAULT_DISTRIBUTED_INIT_TIMEOUT_SECONDS = 300
@@ -118,6 +140,7 @@ class Config:
     storage_timeout_seconds: float  # one storage probe
     storage_wait_seconds: float  # how long unreachable storage is waited out before exit 3
     compilation_cache_dir: str | None = None  # persistent JAX compilation cache; None = off
+    local_tier: LocalTierConfig | None = None  # the local checkpoint tier; None = GCS alone
 
 
 JAX_COMPILATION_CACHE_ENV = "JAX_COMPILATION_CACHE_DIR"
@@ -302,6 +325,8 @@ def parse_config(argv: Sequence[str], env: Mapping[str, str]) -> Config:
         storage_timeout_seconds=_storage_seconds(env, "TPUJOB_STORAGE_TIMEOUT_SECONDS", 30.0),
         storage_wait_seconds=_storage_seconds(env, "TPUJOB_STORAGE_WAIT_SECONDS", 600.0),
         compilation_cache_dir=compilation_cache_dir(env, run_dir),
+        # Only beside the GCS tier: restoring it needs GCS's latest step to compare with.
+        local_tier=local_tier_config(env) if run_dir else None,
     )
 
 

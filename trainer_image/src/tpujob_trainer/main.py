@@ -26,7 +26,7 @@ import tpujob_contract as contract
 from jax.experimental import multihost_utils
 from tpujob_contract import ExitCode
 
-from tpujob_trainer import checkpointing, compile_cache, failures, progress
+from tpujob_trainer import checkpointing, compile_cache, failures, local_tier, progress
 from tpujob_trainer.checkpointing import (
     CheckpointIncompatible,
     CheckpointManager,
@@ -37,6 +37,7 @@ from tpujob_trainer.checkpointing import (
 from tpujob_trainer.config import Config, ConfigError, parse_config
 from tpujob_trainer.data import batch_for_step
 from tpujob_trainer.failures import CheckpointMismatch, Kind, classify
+from tpujob_trainer.local_tier import LocalTier
 from tpujob_trainer.progress import AttemptProgress
 from tpujob_trainer.train import State, Trainer, make_mesh
 
@@ -145,7 +146,13 @@ def _storage_ok(cfg: Config) -> bool:
     return True
 
 
-def _restore_or_init(cfg: Config, trainer: Trainer, mngr: CheckpointManager | None, status: AttemptProgress) -> State:
+def _restore_or_init(
+    cfg: Config,
+    trainer: Trainer,
+    mngr: CheckpointManager | None,
+    status: AttemptProgress,
+    local: LocalTier | None = None,
+) -> State:
     """Restore the committed step the resume value names, falling back to older ones only when its
     data is damaged; or a fresh state. Never deletes a committed step: one that is given up is
     moved aside, bytes kept (checkpointing.restore_with_fallback, _move_aside).
@@ -163,10 +170,16 @@ def _restore_or_init(cfg: Config, trainer: Trainer, mngr: CheckpointManager | No
             where = _move_aside(cfg, mngr, s, contract.SUPERSEDED_DIR)
             log.warning("resume: fresh start asked for; committed step %d set aside to %s", s, where)
         log.info("resume: fresh start from step 0, as TPUJOB_RESUME_STEP=fresh asks")
+        if local:
+            local.forget_after(None)
         return trainer.init()
     candidates = checkpointing.restore_candidates(committed, resume)
+    if local and (from_local := _restore_local(trainer, local, candidates[0] if candidates else None, status)):
+        return from_local
     if not candidates:
         log.info("resume: no committed checkpoint, fresh start from step 0")
+        if local:
+            local.forget_after(None)
         return trainer.init()
     if resume.kind != "step":
         why = "latest committed"
@@ -198,8 +211,39 @@ def _restore_or_init(cfg: Config, trainer: Trainer, mngr: CheckpointManager | No
         status.update(restore_failures=tuple(err.failures))
         raise
     status.update(restore_finished_at=contract.now_rfc3339())
-    status.restored(restored.step, tuple(restored.failures))
+    status.restored(restored.step, tuple(restored.failures), contract.RESTORED_FROM_GCS)
+    if local:
+        local.forget_after(restored.step)
     state: State = restored.state
+    return state
+
+
+def _restore_local(trainer: Trainer, local: LocalTier, gcs_step: int | None, status: AttemptProgress) -> State | None:
+    """The local tier's state when every process holds the same committed local step, at least as new
+    as GCS's choice (`gcs_step`), and every process restored it; else None (restore from GCS)."""
+    step = local_tier.agree_common_step(local.committed_steps())
+    if not local_tier.choose_local(step, gcs_step, fresh=False):
+        log.info("resume: local tier holds no step every process has, at or after GCS's %s (agreed: %s)",
+                 gcs_step, step)  # fmt: skip
+        return None
+    assert step is not None
+    log.info("resume: restoring step %d from the local tier %s (GCS's latest: %s)", step, local.manager.directory,
+             gcs_step)  # fmt: skip
+    status.update(restore_started_at=contract.now_rfc3339())
+    state: State | None = None
+    try:
+        state = local.restore(step, trainer.abstract_state)
+        if int(_scalar(state["step"])) != step:
+            raise CheckpointMismatch(f"local checkpoint {step} holds step {_scalar(state['step'])}")
+    except Exception as err:
+        log.warning("resume: local step %d could not be restored here (%s)", step, failures.short_error(err))
+        state = None
+    if not checkpointing.agree_all(state is not None):
+        log.warning("resume: local step %d not restored on every process; restoring from GCS", step)
+        return None
+    status.update(restore_finished_at=contract.now_rfc3339())
+    status.restored(step, (), contract.RESTORED_FROM_LOCAL)
+    local.forget_after(step)
     return state
 
 
@@ -254,6 +298,17 @@ def _save(mngr: CheckpointManager, step: int, state: State, status: AttemptProgr
         return None
 
 
+def _save_local(local: LocalTier, step: int, state: State, status: AttemptProgress) -> None:
+    """A local save at its interval, after the GCS tier's decision (which it never delays); one that
+    fails is logged, and the GCS tier goes on as if there were none."""
+    try:
+        blocked_from = time.monotonic()
+        if local.save(step, state):
+            status.save_blocked(time.monotonic() - blocked_from)
+    except Exception as err:
+        log.warning("local tier: save of step %d failed (%s); GCS saves go on", step, failures.short_error(err))
+
+
 def _committed(mngr: CheckpointManager, step: int) -> bool:
     try:
         return checkpointing.is_committed(str(mngr.directory), step)
@@ -306,6 +361,7 @@ def _train(
     notice: PreemptionNotice,
     writer: progress.ProgressWriter | None,
     status: AttemptProgress,
+    local: LocalTier | None = None,
 ) -> bool:
     """Train from status.step to the last step; returns True if stopped by SIGTERM."""
     tc = cfg.train
@@ -339,6 +395,8 @@ def _train(
                 pending_save = step
                 if cadence:
                     cadence.saved(blocked)
+            if local:
+                _save_local(local, step, state, status)
         if notice.reached(step):
             if mngr:
                 saved = cfg.checkpoint is not None and cfg.checkpoint.save_on_preemption
@@ -380,6 +438,7 @@ def run(cfg: Config, process_started_at: str | None = None) -> ExitCode:
     status = AttemptProgress(cfg.attempt, cfg.job_uid, process_started_at or contract.now_rfc3339())
     try:
         mngr = _open_manager(cfg, notice, status)
+        local = LocalTier(cfg.local_tier, cfg.run_dir, cfg.job_uid) if mngr and cfg.local_tier and cfg.run_dir else None
     except StoragePermissionDenied as err:
         _denied(cfg, err, status)  # no record: storage refuses it too
         return ExitCode.STORAGE_PERMISSION_DENIED
@@ -392,18 +451,20 @@ def run(cfg: Config, process_started_at: str | None = None) -> ExitCode:
     try:
         trainer = Trainer(tc, make_mesh(cfg.topology.num_slices))
         try:
-            state = _restore_or_init(cfg, trainer, mngr, status)
+            state = _restore_or_init(cfg, trainer, mngr, status, local)
         except CheckpointIncompatible as err:
             log.error("resume: %s; nothing was deleted", err)
             status.update(state="incompatible")
             return ExitCode.CHECKPOINT_INCOMPATIBLE
         status.step = status.record_so_far.restored_step or 0
-        preempted = _train(cfg, trainer, state, mngr, notice, writer, status)
+        preempted = _train(cfg, trainer, state, mngr, notice, writer, status, local)
         status.update(state="preempted" if preempted else "succeeded")
     except StoragePermissionDenied as err:
         _denied(cfg, err, status)  # the record below says so, if storage still takes it
         return ExitCode.STORAGE_PERMISSION_DENIED
     finally:
+        if local:
+            _close_local(local)
         if mngr:
             _close(mngr, writer)
         if writer:
@@ -430,6 +491,13 @@ def _denied(cfg: Config, err: StoragePermissionDenied, status: AttemptProgress) 
                 out.write(f"{contract.STORAGE_DENIED_PREFIX}{denied}"[:4096])
         except OSError:
             pass
+
+
+def _close_local(local: LocalTier) -> None:
+    try:
+        local.close()
+    except Exception as err:
+        log.warning("local tier: closing failed: %s", failures.short_error(err))
 
 
 def _close(mngr: CheckpointManager, writer: progress.ProgressWriter | None) -> None:

@@ -54,8 +54,10 @@ class AttemptProgress:
     def save_blocked(self, seconds: float) -> None:
         self.update(save_blocking_seconds=self.record_so_far.save_blocking_seconds + seconds)
 
-    def restored(self, step: int | None, failures: tuple[contract.RestoreFailure, ...]) -> None:
-        self.update(restored_step=step, resumed_from_step=step, restore_failures=failures)
+    def restored(
+        self, step: int | None, failures: tuple[contract.RestoreFailure, ...], tier: contract.RestoredFrom | None = None
+    ) -> None:
+        self.update(restored_step=step, resumed_from_step=step, restore_failures=failures, restored_from=tier)
 
     def moved_to_quarantine(self, step: int, where: str) -> None:
         moved = (*self.record_so_far.quarantined, contract.QuarantinedStep(step, where))

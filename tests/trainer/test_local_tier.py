@@ -1,0 +1,196 @@
+"""The local checkpoint tier (issue 19 item 3): real trainer processes (CPU JAX, gloo), the real GCS
+emulator, and a local directory per process standing in for the pod's memory-backed emptyDir.
+
+A restart with the same local directory restores from it when every process holds the same
+committed step at or after GCS's latest, and trains on to the same bits as an uninterrupted run; a
+local directory that is missing, half-written, damaged or another job's restores from GCS instead.
+The truth: the progress record in the bucket, the processes' logs, the bytes of the final step.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import signal
+from pathlib import Path
+
+import pytest
+import tpujob_contract as contract
+from tpujob_devcluster.fakegcs import FakeGcsServer
+from tpujob_trainer import local_tier
+from tpujob_trainer.config import DEFAULT_LOCAL_INTERVAL_STEPS, ConfigError, LocalTierConfig, parse_config
+
+from tests.trainer.procs import Attempt, Job
+
+pytestmark = pytest.mark.trainer
+
+M = 30
+ARGS = ["--steps", str(M), "--batch-size", "4", "--seq-len", "32"]
+GCS_EVERY_10 = {"TPUJOB_CHECKPOINT_POLICY": "interval", "TPUJOB_CHECKPOINT_INTERVAL_STEPS": "10"}
+
+
+def _local_env(directory: Path, every: int = 2) -> dict[str, str]:
+    return {contract.LOCAL_CHECKPOINT_DIR_ENV: str(directory), contract.LOCAL_CHECKPOINT_INTERVAL_STEPS_ENV: str(every)}
+
+
+def local_steps(directory: Path) -> list[int]:
+    """The committed steps of one process's local directory: Orbax's finalized (renamed) step dirs."""
+    steps = directory / "checkpoints"
+    return sorted(int(p.name) for p in steps.iterdir() if p.name.isdigit()) if steps.is_dir() else []
+
+
+def _kill_ahead_of_gcs(job: Job, attempt: Attempt, dirs: list[Path], ahead: int = 4) -> tuple[int, list[list[int]]]:
+    """SIGKILL once every process's newest local step is `ahead` steps past GCS's latest (>= 10)."""
+
+    def ready() -> bool:
+        committed = job.committed_steps()
+        return bool(committed) and all(local_steps(d) and local_steps(d)[-1] >= committed[-1] + ahead for d in dirs)
+
+    attempt.wait_until(ready, timeout=120, poll=0.02)
+    attempt.signal(signal.SIGKILL)
+    attempt.wait(30)
+    return job.committed_steps()[-1], [local_steps(d) for d in dirs]
+
+
+def _restored(job: Job) -> tuple[str | None, int | None]:
+    record = job.progress()
+    return record.get("restored_from"), record.get("restored_step")
+
+
+@pytest.mark.timeout(240)
+def test_a_killed_run_restores_from_the_local_tier_ahead_of_gcs_and_ends_bitwise_equal(
+    gcs: FakeGcsServer, trainer_env: dict[str, str], tmp_path: Path, run_name: str
+) -> None:
+    reference = Job(gcs, trainer_env, tmp_path / "reference", f"{run_name}-ref")
+    job = Job(gcs, trainer_env, tmp_path / "interrupted", run_name)
+    reference.log_dir.mkdir()
+    job.log_dir.mkdir()
+    local = tmp_path / "local"
+    try:
+        assert reference.start(ARGS, GCS_EVERY_10).wait(120) == [0]
+        env = GCS_EVERY_10 | _local_env(local)
+        gcs_step, [held] = _kill_ahead_of_gcs(job, job.start(ARGS, env), [local])
+        resumed = job.start(ARGS, env)
+        assert resumed.wait(120) == [0], resumed.output()
+        # The newest local step, past GCS's latest: the steps between are not trained again.
+        assert _restored(job) == ("local", held[-1]) and held[-1] > gcs_step
+        assert f"resume: restoring step {held[-1]} from the local tier" in resumed.output()
+        assert job.digest(M) == reference.digest(M)
+    finally:
+        reference.kill_all()
+        job.kill_all()
+
+
+def _half_written(directory: Path, newest: int) -> None:
+    """Only the newest step, and that one as Orbax leaves a save cut short: not finalized."""
+    for step in local_steps(directory):
+        if step != newest:
+            shutil.rmtree(directory / "checkpoints" / str(step))
+    (directory / "checkpoints" / str(newest)).rename(directory / "checkpoints" / f"{newest}.orbax-checkpoint-tmp-1")
+
+
+def _damaged(directory: Path, newest: int) -> None:
+    """Only the newest step, committed, with its array data gone (what a torn copy would leave)."""
+    for step in local_steps(directory):
+        if step != newest:
+            shutil.rmtree(directory / "checkpoints" / str(step))
+    data = [p for p in (directory / "checkpoints" / str(newest)).rglob("*") if p.is_file() and "ocdbt" in str(p)]
+    assert data, sorted((directory / "checkpoints" / str(newest)).rglob("*"))
+    for p in data:
+        p.unlink()
+
+
+def _foreign(directory: Path, newest: int) -> None:
+    """Intact, but written by another incarnation of the job (another uid)."""
+    marker = directory / "tpujob-local-identity.json"
+    identity = json.loads(marker.read_text())
+    marker.write_text(json.dumps({**identity, "uid": "another-incarnation"}))
+
+
+@pytest.mark.timeout(240)
+def test_a_missing_half_written_damaged_or_foreign_local_directory_restores_from_gcs(job: Job, tmp_path: Path) -> None:
+    local = tmp_path / "local"
+    gcs_step, [held] = _kill_ahead_of_gcs(job, job.start(ARGS, GCS_EVERY_10 | _local_env(local)), [local])
+    newest = held[-1]
+    for case, spoil in (("missing", None), ("half-written", _half_written), ("damaged", _damaged),
+                        ("foreign", _foreign)):  # fmt: skip
+        directory = tmp_path / f"local-{case}"
+        if spoil is not None:
+            shutil.copytree(local, directory)
+            spoil(directory, newest)
+        latest = job.committed_steps()[-1]
+        # Each restart trains one step past GCS's latest and saves it there: the local step stays ahead.
+        short = ["--steps", str(latest + 1), *ARGS[2:]]
+        resumed = job.start(short, GCS_EVERY_10 | _local_env(directory))
+        assert resumed.wait(120) == [0], f"{case}:\n{resumed.output()}"
+        assert _restored(job) == ("gcs", latest), f"{case}:\n{resumed.output()}"
+        assert latest < newest
+        why = {"missing": "(agreed: None)", "half-written": "(agreed: None)",
+               "damaged": f"local step {newest} could not be restored here", "foreign": "not this run"}  # fmt: skip
+        assert why[case] in resumed.output(), f"{case}:\n{resumed.output()}"
+    assert gcs_step <= job.committed_steps()[0]
+
+
+@pytest.mark.timeout(300)
+def test_two_processes_restore_the_newest_local_step_both_hold_never_a_mix(
+    gcs: FakeGcsServer, trainer_env: dict[str, str], tmp_path: Path, run_name: str
+) -> None:
+    reference = Job(gcs, trainer_env, tmp_path / "reference", f"{run_name}-ref")
+    job = Job(gcs, trainer_env, tmp_path / "interrupted", run_name)
+    reference.log_dir.mkdir()
+    job.log_dir.mkdir()
+    dirs = [tmp_path / "local-0", tmp_path / "local-1"]
+    try:
+        # One slice over both processes: each process's local directory holds only its own shards.
+        assert reference.start(ARGS, GCS_EVERY_10, processes=2, slices=1).wait(180) == [0, 0]
+        first = _start_two(job, dirs)
+        gcs_step, held = _kill_ahead_of_gcs(job, first, dirs)
+        # Process 1 lost its newest step (the node was replaced between two saves, say).
+        newest, older = held[1][-1], held[1][-2]
+        shutil.rmtree(dirs[1] / "checkpoints" / str(newest))
+        assert newest in held[0] and older in held[0] and older > gcs_step
+        resumed = _start_two(job, dirs)
+        assert resumed.wait(180) == [0, 0], resumed.output(0) + resumed.output(1)
+        assert _restored(job) == ("local", older)
+        for index in (0, 1):
+            assert f"resume: restoring step {older} from the local tier" in resumed.output(index)
+        assert job.digest(M) == reference.digest(M)
+    finally:
+        reference.kill_all()
+        job.kill_all()
+
+
+def _start_two(job: Job, dirs: list[Path]) -> Attempt:
+    """Two processes, each with its own local directory (its own node's emptyDir)."""
+    return job.start(ARGS, GCS_EVERY_10, processes=2, slices=1, process_env=lambda i: _local_env(dirs[i]))
+
+
+def test_the_agreed_step_is_the_newest_every_process_holds() -> None:
+    assert local_tier.common_step([[4, 6], [4, 6]]) == 6
+    assert local_tier.common_step([[4, 6], [4]]) == 4  # process 1 lost step 6: both restore 4
+    assert local_tier.common_step([[6], [4]]) is None  # nothing in common: GCS
+    assert local_tier.common_step([[6], []]) is None
+    assert local_tier.choose_local(6, 4, fresh=False) and local_tier.choose_local(6, 6, fresh=False)
+    assert local_tier.choose_local(6, None, fresh=False)
+    assert not local_tier.choose_local(4, 6, fresh=False)  # GCS is newer
+    assert not local_tier.choose_local(None, 6, fresh=False) and not local_tier.choose_local(6, 4, fresh=True)
+
+
+def test_the_local_tier_is_off_without_its_directory_and_its_interval_is_checked() -> None:
+    env = {"TPUJOB_RUN_DIR": "gs://b/ns/name"}
+    assert parse_config([], env).local_tier is None  # today's behaviour
+    on = parse_config([], env | {contract.LOCAL_CHECKPOINT_DIR_ENV: "/local/"})
+    assert on.local_tier == LocalTierConfig("/local", DEFAULT_LOCAL_INTERVAL_STEPS)
+    assert parse_config([], {contract.LOCAL_CHECKPOINT_DIR_ENV: "/local"}).local_tier is None  # no GCS tier
+    for bad in ({contract.LOCAL_CHECKPOINT_INTERVAL_STEPS_ENV: "0"}, {contract.LOCAL_CHECKPOINT_DIR_ENV: "gs://b/x"}):
+        with pytest.raises(ConfigError):
+            parse_config([], env | {contract.LOCAL_CHECKPOINT_DIR_ENV: "/local"} | bad)
+
+
+def test_a_record_says_its_tier_and_an_older_record_still_parses() -> None:
+    record = contract.ProgressRecord(step=7, attempt=1, updated_at=contract.now_rfc3339(), restored_step=6,
+                                     restored_from=contract.RESTORED_FROM_LOCAL)  # fmt: skip
+    assert contract.from_json(contract.to_json(record)) == record
+    older = json.loads(contract.to_json(record))
+    del older["restored_from"]
+    assert contract.from_json(json.dumps(older)).restored_from is None

@@ -1,0 +1,170 @@
+"""The local checkpoint tier: frequent saves to node-local memory (a memory-backed emptyDir), restored
+ahead of GCS when every process holds the same committed step and it is at least as new as GCS's.
+
+Why not Orbax's emergency.CheckpointManager (orbax-checkpoint 0.12.8): with one slice it drops the
+local directory and saves to the persistent one alone (`del local_directory`), so a single-slice job
+would get no local tier; with several it saves the persistent tier from the primary slice only and
+the local tier from the other slices only, under its own interval policy, replacing this trainer's
+GCS tier (its policies, preemption save, quarantine and commit rule). What it does for the local
+side is plain Orbax, and this module does the same: a CheckpointManager with no primary host (each
+process is its own, `enable_per_process_directory_creation`), whose ArrayHandler writes and reads
+only this process's shards. A step is committed when Orbax's finalize renamed its temporary
+directory (a local path: AtomicRenameTemporaryPath); Orbax lists nothing else.
+
+Identity: the directory outlives a container (an in-place restart keeps it), so its steps are used
+only when an identity file written beside them names this run directory, job uid and process
+layout; otherwise they are removed before anything is saved there (a cache: GCS keeps the truth).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import shutil
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+from jax.experimental import multihost_utils
+from orbax.checkpoint import checkpoint_managers as cm
+from orbax.checkpoint import type_handlers
+
+from tpujob_trainer.config import LocalTierConfig
+
+log = logging.getLogger("tpujob_trainer")
+
+KEEP = 2  # committed local steps kept: the newest, and the one before while the next is written
+IDENTITY_FILE = "tpujob-local-identity.json"
+STEPS_DIR = "checkpoints"
+_AGREE_SLOTS = 8  # newest committed local steps each process offers to the agreement
+
+
+def identity(run_dir: str, job_uid: str) -> dict[str, Any]:
+    """What a local step must have been written by to be restored here: the same run (the GCS tier's
+    own identity), the same TrainingJob incarnation, and the same process layout (each process holds
+    only its own shards)."""
+    return {"run_dir": run_dir, "uid": job_uid, "process_index": jax.process_index(),
+            "process_count": jax.process_count(), "device_count": jax.device_count()}  # fmt: skip
+
+
+def prepare(directory: str, want: dict[str, Any]) -> Path:
+    """The steps directory, emptied first unless the identity file beside it is `want`."""
+    root = Path(directory)
+    steps = root / STEPS_DIR
+    marker = root / IDENTITY_FILE
+    try:
+        found = json.loads(marker.read_text())
+    except (OSError, ValueError):
+        found = None
+    if found != want:
+        if steps.exists():
+            log.warning("local tier: %s was written by %s, not this run (%s); removing its steps", root, found, want)
+            shutil.rmtree(steps)
+        root.mkdir(parents=True, exist_ok=True)
+        tmp = root / f".{IDENTITY_FILE}.tmp"
+        tmp.write_text(json.dumps(want, sort_keys=True))
+        tmp.replace(marker)
+    steps.mkdir(parents=True, exist_ok=True)
+    return steps
+
+
+def _handler(processes: set[int]) -> ocp.PyTreeCheckpointHandler:
+    """Emergency checkpointing's local handler: every process writes and reads its own shards."""
+    registry = type_handlers.create_type_handler_registry(
+        (jax.Array, type_handlers.ArrayHandler(primary_host=None, replica_id=None, use_replica_parallel=False))
+    )
+    return ocp.PyTreeCheckpointHandler(
+        use_ocdbt=True,
+        use_zarr3=True,
+        multiprocessing_options=ocp.options.MultiprocessingOptions(
+            primary_host=None, active_processes=processes, barrier_sync_key_prefix="tpujob-local"
+        ),
+        type_handler_registry=registry,
+    )
+
+
+class LocalTier:
+    """One process's local checkpoint manager (every process opens one, at the same steps)."""
+
+    def __init__(self, cfg: LocalTierConfig, run_dir: str, job_uid: str):
+        self.cfg = cfg
+        processes = set(range(jax.process_count()))
+        steps = prepare(cfg.directory, identity(run_dir, job_uid))
+        # Removes what a killed attempt left half-written (not committed: never listed anyway).
+        for tmp in steps.glob("*.orbax-checkpoint-tmp*"):
+            shutil.rmtree(tmp, ignore_errors=True)
+        options = ocp.CheckpointManagerOptions(
+            # A fixed step interval: every process decides alike without a collective.
+            save_decision_policy=cm.FixedIntervalPolicy(cfg.interval_steps),
+            preservation_policy=cm.LatestN(n=KEEP),
+            enable_async_checkpointing=True,
+            create=False,
+            cleanup_tmp_directories=False,
+            multiprocessing_options=ocp.options.MultiprocessingOptions(
+                primary_host=None, active_processes=processes, barrier_sync_key_prefix="tpujob-local"
+            ),
+            single_host_load_and_broadcast=False,
+            enable_background_delete=False,
+            save_root_metadata=False,
+            enable_per_process_directory_creation=True,
+        )
+        self.manager = ocp.CheckpointManager(steps, options=options, item_handlers=_handler(processes))
+        log.info("local tier: %s, every %d steps", steps, cfg.interval_steps)
+
+    def committed_steps(self) -> list[int]:
+        self.manager.reload()
+        return sorted(int(s) for s in self.manager.all_steps())
+
+    def save(self, step: int, state: Any) -> bool:
+        """Start an async save if the interval says so (blocking only for the copy off the devices,
+        and for a previous local save still in flight)."""
+        if not self.manager.should_save(step):
+            return False
+        return bool(self.manager.save(step, args=ocp.args.PyTreeSave(state)))
+
+    def forget_after(self, step: int | None) -> None:
+        """Remove this process's local steps newer than `step` (None: all): the attempt goes on from
+        `step`, and a later save of the same step must not find an older trajectory's there."""
+        removed = [s for s in self.committed_steps() if step is None or s > step]
+        for s in removed:
+            shutil.rmtree(Path(self.manager.directory) / str(s))
+        if removed:
+            log.info("local tier: removed steps %s (training goes on from %s)", removed, step)
+            self.manager.reload()
+
+    def restore(self, step: int, abstract_state: Any) -> Any:
+        restore_args = ocp.checkpoint_utils.construct_restore_args(abstract_state)
+        return self.manager.restore(step, args=ocp.args.PyTreeRestore(item=abstract_state, restore_args=restore_args))
+
+    def close(self) -> None:
+        self.manager.wait_until_finished()
+        self.manager.close()
+
+
+def common_step(per_process: Sequence[Sequence[int]]) -> int | None:
+    """The newest step every process holds committed, or None."""
+    if not per_process:
+        return None
+    common = set(per_process[0]).intersection(*map(set, per_process[1:]))
+    return max(common) if common else None
+
+
+def agree_common_step(mine: Sequence[int]) -> int | None:
+    """common_step over every process's committed local steps (a collective with >1 process)."""
+    newest = sorted(mine, reverse=True)[:_AGREE_SLOTS]
+    if jax.process_count() == 1:
+        return common_step([newest])
+    padded = np.full(_AGREE_SLOTS, -1, dtype=np.int32)
+    padded[: len(newest)] = newest
+    gathered = np.asarray(multihost_utils.process_allgather(padded)).reshape(jax.process_count(), _AGREE_SLOTS)
+    return common_step([[int(s) for s in row if s >= 0] for row in gathered])
+
+
+def choose_local(local_step: int | None, gcs_step: int | None, fresh: bool) -> bool:
+    """Restore from the local tier only when it holds an agreed step at least as new as GCS's choice."""
+    if fresh or local_step is None:
+        return False
+    return gcs_step is None or local_step >= gcs_step
