@@ -863,6 +863,10 @@ class FailureRecord(StatusModel):
     resume_step: int | None = Field(default=None, description="Committed step the next attempt resumes from.")
     lost_steps: int | None = Field(default=None, description="Steps trained but not checkpointed, lost by the failure.")
     counted: bool = Field(default=True, description="Whether this failure counted against spec.restart.maxRestarts.")
+    rung: RestartStrategy | None = Field(
+        default=None,
+        description="How the job restarted after it: InPlace (same pods) or Recreate (a new JobSet); none if it ended.",
+    )
     recovery_seconds: float | None = Field(
         default=None, description="Failure -> first step trained by the replacement attempt, in seconds."
     )
@@ -906,6 +910,16 @@ class TrainingJobStatus(StatusModel):
     attempt: int = Field(default=0, description="Current JobSet attempt (0 is the first).")
     restarts: int = Field(default=0, description="Restarts performed after failures, of any kind.")
     counted_restarts: int = Field(default=0, description="Restarts that counted against spec.restart.maxRestarts.")
+    in_place_restarts: int = Field(
+        default=0, description="Of the restarts, those done in place (the InPlace rung: pods and nodes kept)."
+    )
+    in_place_round: int = Field(
+        default=0,
+        description=(
+            "In-place restart rounds of the current attempt's JobSet that status accounts for (JobSet's "
+            "counter): a round above it is a failure not yet recorded."
+        ),
+    )
     job_set_name: str | None = None
     step: int | None = Field(default=None, description="Last step reported by the trainer.")
     loss: float | None = None

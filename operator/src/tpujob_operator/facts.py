@@ -30,6 +30,14 @@ class PodFacts:
     waiting_message: str | None = None
     termination_message: str | None = None  # what the container wrote to its termination-log on exit
     node: str | None = None  # spec.nodeName: the node it was bound to (None: never scheduled)
+    # Restarted in place (spec.restart.strategy InPlace): its trainer container's restarts, and how
+    # the run before the latest restart ended (lastState.terminated), unless the agent ended it on request.
+    restart_count: int = 0
+    last_exit_code: int | None = None
+    last_reason: str | None = None
+    last_finished_at: datetime | None = None
+    last_termination_message: str | None = None
+    in_place_attempt: int | None = None  # JobSet's agent's annotation: the in-place restart round it is at
 
 
 @dataclass(frozen=True)
@@ -78,6 +86,10 @@ class JobSetFacts:
     queue_name: str | None = None  # Kueue's LocalQueue (label): Kueue, not the operator, suspends and resumes it
     admitted_at: datetime | None = None  # Kueue admitted its Workload (None: waiting, or no Kueue)
     queue_reason: str | None = None  # why Kueue has not admitted it (or evicted it), as Kueue says
+    in_place: bool = False  # its failure policy restarts in place (JobSet's InPlaceRestart)
+    # The highest in-place restart round begun: JobSet's current and previous attempt counters, its pods'
+    # annotations, and a failed pod's (its round + 1), since a pod's failure begins the next round.
+    in_place_round: int = 0
 
 
 @dataclass(frozen=True)

@@ -36,6 +36,7 @@ from . import frameworks
 from .api import GROUP, KIND, VERSION, RestartSpec, TrainingJob
 from .cadence import job_mtbf
 from .facts import JobSetFacts, JobSetState, PodFacts
+from .restarts import NOT_RESTARTED_EXIT_CODES
 from .status import parse_time
 from .tpu import slice_shape
 
@@ -59,13 +60,8 @@ CONTAINER_SECURITY_CONTEXT: dict[str, Any] = {"allowPrivilegeEscalation": False,
 IN_PLACE_AGENT = "in-place-restart-agent"  # on the trainer image's PATH (README: what a cluster needs)
 IN_PLACE_RESTART_EXIT_CODE = 86  # no trainer exit code (contract.ExitCode) and no 128+signal
 JOBSET_NAME_ANNOTATION = "jobset.sigs.k8s.io/jobset-name"  # the JobSet controller sets it on every pod
-# Exits no restart can fix: the container ends, its pod fails, and the operator gives up (restarts.py).
-_NOT_RESTARTED_IN_PLACE = (
-    contract.ExitCode.OK,
-    contract.ExitCode.BAD_CONFIG,
-    contract.ExitCode.CHECKPOINT_INCOMPATIBLE,
-    contract.ExitCode.STORAGE_PERMISSION_DENIED,
-)
+IN_PLACE_RESTART_ATTEMPT_ANNOTATION = "jobset.sigs.k8s.io/in-place-restart-attempt"  # the agent sets it on its pod
+IN_PLACE_STRATEGY = "InPlaceRestart"  # JobSet's failurePolicy.restartStrategy
 JOB_BACKOFF_LIMIT_MAX = 2**31 - 1  # JobSet's InPlaceRestart requires it: a failed pod never fails its Job
 
 
@@ -300,12 +296,12 @@ def _in_place(
     ]
     container["restartPolicy"] = "Never"
     container["restartPolicyRules"] = [
-        {"action": "Restart", "exitCodes": {"operator": "NotIn", "values": [int(c) for c in _NOT_RESTARTED_IN_PLACE]}}
+        {"action": "Restart", "exitCodes": {"operator": "NotIn", "values": list(NOT_RESTARTED_EXIT_CODES)}}
     ]
     pod_spec["automountServiceAccountToken"] = True  # the agent reads its JobSet and annotates its pod
     job_spec["backoffLimit"] = JOB_BACKOFF_LIMIT_MAX
     job_spec["podReplacementPolicy"] = "Failed"  # a replacement starts once the old pod has let go of its node
-    return {"restartStrategy": "InPlaceRestart", "maxRestarts": tj.spec.restart.in_place.max_restarts}
+    return {"restartStrategy": IN_PLACE_STRATEGY, "maxRestarts": tj.spec.restart.in_place.max_restarts}
 
 
 # Decoding: what the API returns (plain dicts in its camelCase) -> facts.py. Reads back the labels and
@@ -326,6 +322,10 @@ def pod_facts(pod: dict[str, Any]) -> PodFacts:
     )
     terminated = (container.get("state") or {}).get("terminated") or {}
     waiting = (container.get("state") or {}).get("waiting") or {}
+    last = (container.get("lastState") or {}).get("terminated") or {}
+    if last.get("exitCode") == IN_PLACE_RESTART_EXIT_CODE:  # the agent ended it: another pod's failure
+        last = {}
+    attempt_text = str(annotations.get(IN_PLACE_RESTART_ATTEMPT_ANNOTATION, ""))
     disruption = _condition(status.get("conditions"), "DisruptionTarget")
     scheduled = next((c for c in status.get("conditions") or [] if c.get("type") == "PodScheduled"), None)
     unschedulable = scheduled.get("message") if scheduled and scheduled.get("reason") == "Unschedulable" else None
@@ -347,6 +347,12 @@ def pod_facts(pod: dict[str, Any]) -> PodFacts:
         waiting_message=waiting.get("message"),
         termination_message=terminated.get("message"),
         node=(pod.get("spec") or {}).get("nodeName"),
+        restart_count=int(container.get("restartCount") or 0),
+        last_exit_code=last.get("exitCode"),
+        last_reason=last.get("reason"),
+        last_finished_at=parse_time(last.get("finishedAt")),
+        last_termination_message=last.get("message"),
+        in_place_attempt=int(attempt_text) if attempt_text.isdigit() else None,
     )
 
 
@@ -409,6 +415,8 @@ def jobset_facts(
     resume = annotations.get(ANNOTATION_RESUME_STEP, "-1")
     conditions = (jobset.get("status") or {}).get("conditions")
     resumed = _condition(conditions, "Suspended", "False")
+    pod_list = tuple(pod_facts(p) for p in pods)
+    in_place = ((jobset.get("spec") or {}).get("failurePolicy") or {}).get("restartStrategy") == IN_PLACE_STRATEGY
     return JobSetFacts(
         name=meta["name"],
         attempt=int((meta.get("labels") or {}).get(LABEL_ATTEMPT, "0")),
@@ -417,7 +425,7 @@ def jobset_facts(
         state=state,
         condition_reason=(condition or {}).get("reason", ""),
         condition_message=(condition or {}).get("message", ""),
-        pods=tuple(pod_facts(p) for p in pods),
+        pods=pod_list,
         deleting=bool(meta.get("deletionTimestamp")),
         uid=incarnation_uid(jobset),
         expected_pods=expected_pods(jobset),
@@ -428,4 +436,20 @@ def jobset_facts(
         queue_name=(meta.get("labels") or {}).get(QUEUE_LABEL),
         admitted_at=admission[0],
         queue_reason=admission[1],
+        in_place=in_place,
+        in_place_round=in_place_round(jobset, pod_list) if in_place else 0,
     )
+
+
+def in_place_round(jobset: dict[str, Any], pods: tuple[PodFacts, ...]) -> int:
+    """The highest in-place restart round begun (jobset_facts)."""
+    status = jobset.get("status") or {}
+    current, previous = status.get("currentInPlaceRestartAttempt"), status.get("previousInPlaceRestartAttempt")
+    rounds = [int(current or 0), int(previous) + 1 if previous is not None else 0]
+    for pod in pods:
+        at = pod.in_place_attempt
+        if at is not None:
+            rounds.append(at + 1 if pod.phase == "Failed" else at)
+        elif pod.phase == "Failed":  # failed before its agent annotated it
+            rounds.append(int(current or 0) + 1)
+    return max(rounds)

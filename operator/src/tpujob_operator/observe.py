@@ -64,7 +64,8 @@ def without_managed_fields(body: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def slim_jobset(body: Mapping[str, Any]) -> dict[str, Any]:
-    """What the operator reads of a JobSet: metadata, suspend, the pod count, the conditions."""
+    """What the operator reads of a JobSet: metadata, suspend, the pod count, the restart strategy, the
+    conditions and the in-place restart counters."""
     spec = body.get("spec") or {}
     replicated = [
         {
@@ -73,11 +74,19 @@ def slim_jobset(body: Mapping[str, Any]) -> dict[str, Any]:
         }
         for rj in spec.get("replicatedJobs") or []
     ]
-    return {
+    status = body.get("status") or {}
+    slim: dict[str, Any] = {
         "metadata": without_managed_fields(body)["metadata"],
         "spec": {"suspend": spec.get("suspend"), "replicatedJobs": replicated},
-        "status": {"conditions": list((body.get("status") or {}).get("conditions") or [])},
+        "status": {"conditions": list(status.get("conditions") or [])},
     }
+    strategy = (spec.get("failurePolicy") or {}).get("restartStrategy")
+    if strategy:
+        slim["spec"]["failurePolicy"] = {"restartStrategy": strategy}
+    for counter in ("currentInPlaceRestartAttempt", "previousInPlaceRestartAttempt"):
+        if status.get(counter) is not None:
+            slim["status"][counter] = status[counter]
+    return slim
 
 
 def slim_workload(body: Mapping[str, Any]) -> dict[str, Any]:

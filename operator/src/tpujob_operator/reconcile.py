@@ -24,6 +24,7 @@ from .api import (
     FailureTimeline,
     Phase,
     QueueStatus,
+    RestartStrategy,
     Stage,
     TrainingJob,
     TrainingJobStatus,
@@ -35,12 +36,22 @@ from .restarts import (
     Failure,
     backoff,
     budget_left,
+    classify_in_place_round,
     classify_jobset_failure,
+    classify_pod,
     counts_against_budget,
     expired,
     node_verdict_wait,
 )
-from .status import parse_time, rfc3339, rfc3339_precise, set_condition, with_observations, with_phase
+from .status import (
+    parse_time,
+    recovering_record,
+    rfc3339,
+    rfc3339_precise,
+    set_condition,
+    with_observations,
+    with_phase,
+)
 
 TERMINAL_PHASES = ("Succeeded", "Failed")
 # When a job is next re-examined without news (`Actions.requeue_after`): watch events bring news about
@@ -114,7 +125,13 @@ def _with_timeline(
         if timeline.pods_scheduled is None and scheduled and len(scheduled) >= (current.expected_pods or 1):
             timeline.pods_scheduled = rfc3339_precise(max(scheduled))
     progress = observed.progress
-    if progress is not None and progress.attempt == status.attempt and status.attempt > 0:
+    in_place = failure.rung == "InPlace"
+    if (
+        progress is not None
+        and progress.attempt == status.attempt
+        and (status.attempt > 0 or in_place)
+        and recovering_record(failure, progress)
+    ):
         if timeline.restored is None and (restored := parse_time(progress.restore_finished_at)) is not None:
             timeline.restored = rfc3339_precise(restored)
         if timeline.first_new_step is None and failure.recovery_seconds is not None:
@@ -162,11 +179,16 @@ def _decide(tj: TrainingJob, observed: Observed) -> tuple[TrainingJobStatus, Act
         # Pods stopped by a suspension exit 143 after saving: that is not a failure, never classified.
         return _suspension(tj, status, observed, actions, current)
     current = _without_pods_from_before_resume(current)
+    if current.in_place and current.state != "Failed":  # a Failed one: JobSet spent the rung without us
+        return _in_place(tj, status, observed, actions, current)
     # A failed worker fails the attempt (every Job has backoffLimit 0). Acting on the pod, not on the
     # JobSet's Failed condition, saves the time the Job controller spends waiting for the slice's
     # other pods to terminate before it marks the Job failed.
     if current.state == "Failed" or any(p.phase == "Failed" for p in current.pods):
-        failure = classify_jobset_failure(current, observed.nodes, now)
+        if current.in_place:
+            failure = classify_in_place_round(current, _last_failure_time(status), observed.nodes, now)
+        else:
+            failure = classify_jobset_failure(current, observed.nodes, now)
         # A failure that would count waits (briefly) while a pod still runs: it may be the dead host's.
         if (wait := node_verdict_wait(current, failure, observed.nodes, now)) is not None:
             actions.requeue_after = wait
@@ -564,12 +586,18 @@ def _after_failure(
     actions: Actions,
     current: JobSetFacts,
     failure: Failure,
+    rung: RestartStrategy = "Recreate",
+    counted: bool | None = None,
+    rounds: int = 1,
 ) -> tuple[TrainingJobStatus, Actions]:
+    """Record `failure` and restart on `rung` (InPlace: JobSet restarts the workers, `rounds` of its
+    in-place restarts are accounted for), or end the job when no restart may follow. `counted`
+    overrides the failure kind's word on the budget (False: a failure already charged)."""
     now = observed.now
     policy = tj.spec.restart
     if failure.kind == "StoragePermissionDenied":
         failure = dataclasses.replace(failure, message=f"{failure.message}: {_permission_advice(tj, current)}")
-    counted = counts_against_budget(failure.kind, policy)
+    counted = counts_against_budget(failure.kind, policy) if counted is None else counted
     latest = _known_latest_step(status, observed)
     progress = observed.progress
     reported_step = status.step if progress is not None and progress.attempt == status.attempt else None
@@ -612,7 +640,7 @@ def _after_failure(
         actions.events.append(Event("Warning", failure.reason, f"{failure.message}; no restart can fix this"))
         failed = with_phase(status, "Failed", failure.reason, failure.message, now)
         return _given_up(tj, _staged(failed, "Finished", now), observed, actions)
-    if counted and not budget_left(policy, status.counted_restarts):
+    if counted and not budget_left(policy, status.counted_restarts + rounds - 1):
         actions.events.append(
             Event(
                 "Warning",
@@ -625,8 +653,12 @@ def _after_failure(
         message = f"restart budget exhausted ({used}); last failure: {failure.kind}: {failure.message}"
         failed = _enter(status, "Failed", "RestartBudgetExhausted", message, "Finished", now)
         return _given_up(tj, failed, observed, actions)
-    status.restarts += 1
-    status.counted_restarts += int(counted)
+    status.restarts += rounds
+    status.counted_restarts += int(counted) * rounds
+    status.last_failure = status.last_failure.model_copy(update={"rung": rung})
+    if rung == "InPlace":
+        return _restarting_in_place(tj, status, observed, actions, current, latest)
+    status.in_place_round = 0  # the next attempt's JobSet counts its own
     delay = backoff(policy, status.counted_restarts, counted)
     status.attempt += 1
     status.job_set_name = jobset_name(tj.name, status.attempt)
@@ -646,6 +678,86 @@ def _after_failure(
     if delay.total_seconds() <= 0:  # no backoff: the next attempt is created by this decision
         return _without_jobset(tj, status, observed, actions)
     return _staged(status, "BackingOff", now), actions
+
+
+def _last_failure_time(status: TrainingJobStatus) -> datetime | None:
+    return parse_time(status.last_failure.time) if status.last_failure is not None else None
+
+
+def _in_place(
+    tj: TrainingJob, status: TrainingJobStatus, observed: Observed, actions: Actions, current: JobSetFacts
+) -> tuple[TrainingJobStatus, Actions]:
+    """The InPlace rung: JobSet's agents restart the workers on their nodes. Each restart round JobSet
+    begins is recorded as a failure, classified and charged as a Recreate's would be; the operator
+    climbs to Recreate when the rung is spent (a round past inPlace.maxRestarts) or when a round has
+    trained no step inPlace.recoveryDeadlineSeconds after its failure. JobSet's own counter is the
+    truth of how many rounds there were: an operator that dies before recording one records it later."""
+    now = observed.now
+    rung = tj.spec.restart.in_place
+    failed = (classify_pod(p) for p in current.pods)
+    terminal = next((f for f in failed if f is not None and f.kind in TERMINAL_KINDS), None)
+    if terminal is not None:  # its container is not restarted (jobset.py): nothing can fix it
+        return _after_failure(tj, status, observed, actions, current, terminal)
+    if current.in_place_round > status.in_place_round:
+        failure = classify_in_place_round(current, _last_failure_time(status), observed.nodes, now)
+        if (wait := node_verdict_wait(current, failure, observed.nodes, now)) is not None:
+            actions.requeue_after = wait
+            return status, actions
+        climb: RestartStrategy = "Recreate" if current.in_place_round > rung.max_restarts else "InPlace"
+        rounds = current.in_place_round - status.in_place_round
+        return _after_failure(tj, status, observed, actions, current, failure, climb, rounds=rounds)
+    _with_restored_step(status, observed)
+    last = status.last_failure
+    if last is None or last.rung != "InPlace" or last.recovery_seconds is not None or status.phase != "Restarting":
+        return _while_active(tj, status, observed, actions, current)
+    since = parse_time(last.time) or now
+    if expired(now, since, rung.recovery_deadline_seconds):
+        message = (
+            f"no step trained {rung.recovery_deadline_seconds}s after the in-place restart that followed "
+            f"{last.kind} ({last.message})"
+        )
+        stalled = Failure(last.kind, "InPlaceRestartStalled", message, last.slice, now)
+        return _after_failure(tj, status, observed, actions, current, stalled, counted=False)
+    actions.requeue_after = _until(now, since, rung.recovery_deadline_seconds, STARTUP_CHECK_SECONDS)
+    return status, actions
+
+
+def _restarting_in_place(
+    tj: TrainingJob,
+    status: TrainingJobStatus,
+    observed: Observed,
+    actions: Actions,
+    current: JobSetFacts,
+    latest: int | None,
+) -> tuple[TrainingJobStatus, Actions]:
+    rung = tj.spec.restart.in_place
+    status.in_place_restarts += current.in_place_round - status.in_place_round
+    status.in_place_round = current.in_place_round
+    resume = f"the newest committed step (GCS: {latest})" if latest is not None else "the newest committed step"
+    message = (
+        f"restart {status.restarts} in place (round {current.in_place_round} of {rung.max_restarts}): the same pods "
+        f"restart on their nodes and resume from {resume}"
+    )
+    actions.events.append(Event("Normal", "RestartingInPlace", message))
+    actions.requeue_after = _until(observed.now, observed.now, rung.recovery_deadline_seconds, STARTUP_CHECK_SECONDS)
+    status = with_phase(status, "Restarting", "RestartingInPlace", message, observed.now)
+    return _staged(status, "StartingUp", observed.now), actions
+
+
+def _with_restored_step(status: TrainingJobStatus, observed: Observed) -> None:
+    """The in-place restart's trainer restored a step newer than the failure's resume point (its local
+    tier, or a save that committed after the failure): the failure lost fewer steps than first said."""
+    failure, progress = status.last_failure, observed.progress
+    if failure is None or failure.rung != "InPlace" or progress is None or progress.attempt != status.attempt:
+        return
+    restored = progress.restored_step
+    if restored is None or not recovering_record(failure, progress):
+        return
+    if failure.resume_step is not None and restored <= failure.resume_step:
+        return
+    lost = max(0, failure.step - restored) if failure.step is not None else None
+    status.lost_steps -= (failure.lost_steps or 0) - (lost or 0)
+    status.last_failure = failure.model_copy(update={"resume_step": restored, "lost_steps": lost})
 
 
 def _bucket(tj: TrainingJob) -> str:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import datetime, timedelta
@@ -35,6 +36,11 @@ _NAMED_EXITS: dict[int, tuple[FailureKind, str, str]] = {
 }
 # Kinds that no restart can fix: the job fails at once, without spending the budget.
 TERMINAL_KINDS: frozenset[FailureKind] = frozenset({"CheckpointIncompatible", "StoragePermissionDenied"})
+# Exits after which no in-place restart is tried (jobset.py): success, and those of the terminal kinds.
+NOT_RESTARTED_EXIT_CODES: tuple[int, ...] = (
+    int(ExitCode.OK),
+    *(int(code) for code, (kind, _, _) in _NAMED_EXITS.items() if kind in TERMINAL_KINDS),
+)
 # Kinds that are not the job's fault and never count against maxRestarts.
 _NEVER_COUNTED: frozenset[FailureKind] = frozenset(
     {"StorageUnavailable", "CheckpointIncompatible", "StoragePermissionDenied", "StartupFailure"}
@@ -106,6 +112,38 @@ def classify_jobset_failure(
     message = f"pod {evidence.pod} is on node {evidence.node}: {evidence.detail} (first failure: {failure.message})"
     where = evidence.slice if evidence.slice is not None else failure.slice
     return Failure(evidence.kind, evidence.reason, message, where, failure.time, evidence)
+
+
+def classify_in_place_round(
+    jobset: JobSetFacts,
+    after: datetime | None,
+    nodes: Mapping[str, NodeFacts] | None = None,
+    now: datetime | None = None,
+) -> Failure:
+    """Why JobSet restarts the workers in place: as classify_jobset_failure, over the failed pods and the
+    containers whose last run failed (their lastState) after `after` (the failure recorded before this
+    round: a container's lastState outlives its round)."""
+    runs = tuple(run for run in (_last_run(p, after) for p in jobset.pods) if run is not None)
+    asked = f"JobSet {jobset.name} restarted its workers in place (round {jobset.in_place_round})"
+    return classify_jobset_failure(
+        dataclasses.replace(jobset, pods=runs, condition_reason="InPlaceRestart", condition_message=asked), nodes, now
+    )
+
+
+def _last_run(pod: PodFacts, after: datetime | None) -> PodFacts | None:
+    """The pod as its failure is classified: a failed pod as it is, a restarted one as its last run ended."""
+    if pod.phase == "Failed" or pod.last_exit_code is None:
+        return pod
+    if after is not None and pod.last_finished_at is not None and pod.last_finished_at <= after:
+        return pod  # its last failure was the round recorded before
+    return dataclasses.replace(
+        pod,
+        phase="Failed",
+        exit_code=pod.last_exit_code,
+        reason=pod.last_reason,
+        finished_at=pod.last_finished_at,
+        termination_message=pod.last_termination_message,
+    )
 
 
 def node_verdict_wait(

@@ -83,10 +83,24 @@ def with_observations(status: TrainingJobStatus, observed: Observed) -> Training
         # The first step trained by the attempt that replaced the failed one, or its success when it
         # resumed at the final step and had none to train: the failure's cost in time.
         trained = failure is not None and progress.step > (failure.resume_step or -1)
-        if failure is not None and failure.recovery_seconds is None and (trained or progress.state == "succeeded"):
+        if (
+            failure is not None
+            and failure.recovery_seconds is None
+            and (trained or progress.state == "succeeded")
+            and recovering_record(failure, progress)
+        ):
             seconds = (progress.updated - parse_time(failure.time)).total_seconds()  # type: ignore[operator]
             update["last_failure"] = failure.model_copy(update={"recovery_seconds": round(seconds, 1)})
     return status.model_copy(update=update)
+
+
+def recovering_record(failure: FailureRecord, progress: contract.ProgressRecord) -> bool:
+    """Whether a record of the current attempt can be the recovery's: after an in-place restart the
+    attempt is the same, so only a process started after the failure is."""
+    if failure.rung != "InPlace":
+        return True
+    started, failed = parse_time(progress.process_started_at), parse_time(failure.time)
+    return started is not None and failed is not None and started >= failed
 
 
 def failure_identity(failure: FailureRecord) -> tuple[str, str, str]:

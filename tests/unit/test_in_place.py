@@ -1,0 +1,169 @@
+"""The restart ladder's InPlace rung, decided by the pure reconciler: JobSet restarts the workers in
+place, and the operator records, charges and, when the rung is spent or stalls, climbs to Recreate."""
+
+from datetime import UTC, datetime, timedelta
+
+from tpujob_operator.facts import JobSetFacts, Observed, PodFacts
+from tpujob_operator.jobset import IN_PLACE_RESTART_EXIT_CODE, jobset_facts
+from tpujob_operator.reconcile import reconcile
+from tpujob_operator.status import rfc3339_precise
+
+from .factories import progress_record, training_job
+
+T0 = datetime(2026, 11, 30, 12, 0, tzinfo=UTC)
+UID = "0000-1111"  # tests/unit/factories.py's TrainingJob
+IN_PLACE = {"strategy": "InPlace", "inPlace": {"maxRestarts": 2, "recoveryDeadlineSeconds": 120}}
+
+
+def _job(status=None, **restart):
+    return training_job(restart={**IN_PLACE, **restart}, status={"phase": "Running", "attempt": 0, **(status or {})})
+
+
+def _jobset(round_=1, pods=(), state="Active", attempt=0):
+    return JobSetFacts(
+        f"llama-a{attempt}", attempt, None, T0, state, pods=pods, uid=UID, in_place=True, in_place_round=round_
+    )
+
+
+def _worker(name="llama-a0-slice-1-0", slice_=1, **facts):
+    return PodFacts(name, slice_, "Running", scheduled_at=T0, **facts)
+
+
+def _crashed(exit_code=1, at=T0, **facts):
+    """A worker whose trainer exited and was restarted in place (lastState.terminated)."""
+    return _worker(restart_count=1, last_exit_code=exit_code, last_reason="Error", last_finished_at=at, **facts)
+
+
+def _observed(jobset, now=T0 + timedelta(seconds=2), progress=None, latest=100):
+    return Observed(now=now, jobsets=(jobset,), progress=progress, latest_committed_step=latest)
+
+
+def _restarting():
+    """The job once the operator recorded the in-place restart after a crash at step 130 (GCS: 100)."""
+    before = progress_record(uid=UID, attempt=0, step=130, updated_at=T0, process_started_at=T0 - timedelta(hours=1))
+    status, _ = reconcile(_job({"step": 130}), _observed(_jobset(pods=(_crashed(),)), progress=before))
+    return _job().model_copy(update={"status": status}), before
+
+
+def test_a_round_jobset_begins_is_recorded_once_as_a_failure_restarted_in_place():
+    tj = _job({"step": 130})
+    before = progress_record(uid=UID, attempt=0, step=130, updated_at=T0)
+    observed = _observed(_jobset(pods=(_crashed(), _worker("llama-a0-slice-0-0", 0))), progress=before)
+    status, actions = reconcile(tj, observed)
+    assert (status.phase, status.attempt) == ("Restarting", 0)
+    assert (status.restarts, status.counted_restarts, status.in_place_restarts, status.in_place_round) == (1, 1, 1, 1)
+    failure = status.last_failure
+    assert (failure.kind, failure.slice, failure.rung, failure.counted) == ("ApplicationError", 1, "InPlace", True)
+    assert (failure.resume_step, failure.lost_steps) == (100, 30)
+    assert actions.delete == [] and actions.create_attempt is None  # the same pods, on the same nodes
+    assert [e.reason for e in actions.events] == ["FailureDetected", "RestartingInPlace"]
+    # The next look at the same world (the operator restarted, or any event): nothing is charged twice.
+    again, actions = reconcile(tj.model_copy(update={"status": status}), observed)
+    assert (again.restarts, again.counted_restarts, again.in_place_restarts, again.lost_steps) == (1, 1, 1, 30)
+    assert again.phase == "Restarting" and actions.events == []
+
+
+def test_a_lost_node_is_the_infrastructures_restart_and_costs_no_budget():
+    lost = PodFacts("llama-a0-slice-0-0", 0, "Failed", disruption_reason="DeletionByTaintManager", finished_at=T0)
+    status, actions = reconcile(_job(), _observed(_jobset(pods=(lost, _worker()))))
+    assert (status.restarts, status.counted_restarts, status.in_place_restarts) == (1, 0, 1)
+    assert (status.last_failure.kind, status.last_failure.counted) == ("NodeLost", False)
+    assert actions.delete == []
+
+
+def test_the_round_after_the_rung_is_spent_climbs_to_recreate():
+    tj = _job({"restarts": 2, "countedRestarts": 2, "inPlaceRestarts": 2, "inPlaceRound": 2})
+    status, actions = reconcile(tj, _observed(_jobset(round_=3, pods=(_crashed(at=T0),))))
+    assert (status.attempt, status.restarts, status.in_place_restarts, status.in_place_round) == (1, 3, 2, 0)
+    assert status.last_failure.rung == "Recreate"
+    assert actions.delete == ["llama-a0"]
+    assert [e.reason for e in actions.events] == ["FailureDetected", "Restarting"]
+
+
+def test_an_exit_no_restart_can_fix_ends_the_job_and_releases_its_slices():
+    incompatible = PodFacts("llama-a0-slice-0-0", 0, "Failed", exit_code=4, finished_at=T0)
+    status, actions = reconcile(_job(), _observed(_jobset(round_=0, pods=(incompatible, _worker()))))
+    assert (status.phase, status.last_failure.kind, status.last_failure.rung) == (
+        "Failed",
+        "CheckpointIncompatible",
+        None,
+    )
+    assert actions.delete == ["llama-a0"]
+
+
+def test_the_budget_counts_in_place_restarts_and_its_end_releases_the_slices():
+    tj = _job({"restarts": 3, "countedRestarts": 3, "inPlaceRestarts": 1, "inPlaceRound": 1})
+    status, actions = reconcile(tj, _observed(_jobset(round_=2, pods=(_crashed(),))))
+    assert status.phase == "Failed" and _reason(status) == "RestartBudgetExhausted"
+    assert actions.delete == ["llama-a0"]
+
+
+def test_rounds_begun_while_the_operator_was_away_are_each_charged():
+    status, _ = reconcile(_job(), _observed(_jobset(round_=2, pods=(_crashed(),))))
+    assert (status.restarts, status.counted_restarts, status.in_place_restarts, status.in_place_round) == (2, 2, 2, 2)
+
+
+def test_a_restart_that_trains_no_step_by_the_deadline_climbs_uncharged():
+    tj, _ = _restarting()
+    status, actions = reconcile(tj, _observed(_jobset(pods=(_crashed(),)), now=T0 + timedelta(seconds=100)))
+    assert status.phase == "Restarting" and actions.delete == []
+    status, actions = reconcile(tj, _observed(_jobset(pods=(_crashed(),)), now=T0 + timedelta(seconds=121)))
+    assert (status.attempt, status.restarts, status.counted_restarts) == (1, 2, 1)
+    assert (status.last_failure.reason, status.last_failure.counted) == ("InPlaceRestartStalled", False)
+    assert actions.delete == ["llama-a0"]
+
+
+def test_recovery_is_measured_from_the_restarted_process_only():
+    tj, stale = _restarting()
+    now = T0 + timedelta(seconds=9)
+    # The record before the failure (same attempt, step past the resume point) is not the recovery.
+    status, _ = reconcile(tj, _observed(_jobset(pods=(_crashed(),)), now=now, progress=stale))
+    assert status.last_failure.recovery_seconds is None and status.phase == "Restarting"
+    fresh = progress_record(
+        uid=UID,
+        attempt=0,
+        step=121,
+        updated_at=T0 + timedelta(seconds=8),
+        process_started_at=T0 + timedelta(seconds=1),
+        restored_step=120,
+        restored_from="local",
+        restore_finished_at=T0 + timedelta(seconds=5),
+    )
+    status, _ = reconcile(tj, _observed(_jobset(pods=(_crashed(),)), now=now, progress=fresh))
+    failure = status.last_failure
+    assert failure.recovery_seconds == 8.0
+    assert failure.timeline.restored == rfc3339_precise(T0 + timedelta(seconds=5))
+    # The local tier held step 120, newer than GCS's 100: the failure lost 10 steps, not 30.
+    assert (failure.resume_step, failure.lost_steps, status.lost_steps) == (120, 10, 10)
+
+
+def test_the_decoder_reads_jobsets_rounds_and_leaves_out_the_agents_own_exits():
+    pod = {
+        "metadata": {"name": "w", "annotations": {"jobset.sigs.k8s.io/in-place-restart-attempt": "2"}},
+        "status": {
+            "phase": "Running",
+            "containerStatuses": [
+                {
+                    "name": "trainer",
+                    "restartCount": 2,
+                    "lastState": {"terminated": {"exitCode": IN_PLACE_RESTART_EXIT_CODE, "reason": "Error"}},
+                }
+            ],
+        },
+    }
+    jobset = {
+        "metadata": {"name": "llama-a0", "labels": {"tpujob.dev/attempt": "0"}},
+        "spec": {"failurePolicy": {"restartStrategy": "InPlaceRestart"}},
+        "status": {"currentInPlaceRestartAttempt": 1, "previousInPlaceRestartAttempt": 1},
+    }
+    facts = jobset_facts(jobset, [pod])
+    assert (facts.in_place, facts.in_place_round) == (True, 2)
+    assert (facts.pods[0].restart_count, facts.pods[0].last_exit_code) == (2, None)
+    assert jobset_facts({**jobset, "spec": {}}, [pod]).in_place is False
+    # A failed pod begins the next round before any agent says so (JobSet replaces only that pod).
+    failed = {"metadata": {"name": "v", "annotations": {}}, "status": {"phase": "Failed"}}
+    assert jobset_facts(jobset, [failed]).in_place_round == 2
+
+
+def _reason(status):
+    return next(c.reason for c in status.conditions if c.type == status.phase)
