@@ -2,6 +2,7 @@
 # Build the real control-plane binaries from the Go module proxy, cached by version outside the repo.
 #   devcluster/build.sh            -> prints the bin directory on stdout (last line)
 # Components: etcd, kube-apiserver, kube-controller-manager, kube-scheduler, jobset controller, kwok,
+# JobSet's in-place-restart agent (agent/: a folder of its own, so it can go on a pod's PATH alone),
 # and Kueue (optional in the devcluster, built all the same so a clean clone has everything).
 # Versions are pinned here; the cache key is the version set, so a bump rebuilds into a new folder.
 # Kueue has its own versioned folder (a bump rebuilds only Kueue), linked from the bin folder as
@@ -13,7 +14,7 @@ ETCD_VERSION="${ETCD_VERSION:-v3.6.5}"
 JOBSET_VERSION="${JOBSET_VERSION:-v0.11.0}"
 KWOK_VERSION="${KWOK_VERSION:-v0.7.0}"
 KUEUE_VERSION="${KUEUE_VERSION:-v0.17.0}"
-COMPONENTS="${COMPONENTS:-etcd kube-apiserver kube-controller-manager kube-scheduler jobset kwok kueue}"
+COMPONENTS="${COMPONENTS:-etcd kube-apiserver kube-controller-manager kube-scheduler jobset agent kwok kueue}"
 
 CACHE_ROOT="${TPUJOB_CACHE:-$HOME/.cache/tpujob}"
 KEY="k8s-${K8S_VERSION}_etcd-${ETCD_VERSION}_jobset-${JOBSET_VERSION}_kwok-${KWOK_VERSION}"
@@ -101,8 +102,10 @@ ldflags_k8s() {
 }
 
 build_one() {
-  local name="$1"
-  if [ -x "$BIN/$name" ]; then return 0; fi
+  local name="$1" out="$BIN/$1"
+  # The agent (the container's process under JobSet's InPlaceRestart) from the JobSet module at JOBSET_VERSION.
+  [ "$name" = agent ] && out="$BIN/agent/in-place-restart-agent" && mkdir -p "$BIN/agent"
+  if [ -x "$out" ]; then return 0; fi
   local start=$SECONDS
   log "building $name"
   case "$name" in
@@ -115,12 +118,15 @@ build_one() {
     jobset)
       module_wrapper jobset sigs.k8s.io/jobset "$JOBSET_VERSION" sigs.k8s.io/jobset
       (cd "$SRC/jobset" && go build -trimpath -ldflags "-s -w" -o "$BIN/$name.tmp" sigs.k8s.io/jobset) ;;
+    agent)
+      module_wrapper jobset sigs.k8s.io/jobset "$JOBSET_VERSION" sigs.k8s.io/jobset
+      (cd "$SRC/jobset" && go build -trimpath -ldflags "-s -w" -o "$out.tmp" sigs.k8s.io/jobset/cmd/in-place-restart-agent) ;;
     kwok)
       module_wrapper kwok sigs.k8s.io/kwok "$KWOK_VERSION" sigs.k8s.io/kwok/cmd/kwok
       (cd "$SRC/kwok" && go build -trimpath -ldflags "-s -w" -o "$BIN/$name.tmp" sigs.k8s.io/kwok/cmd/kwok) ;;
     *) log "unknown component $name"; return 1 ;;
   esac
-  mv "$BIN/$name.tmp" "$BIN/$name"
+  if [ "$name" = agent ]; then mv "$out.tmp" "$out"; else mv "$BIN/$name.tmp" "$BIN/$name"; fi
   log "built $name in $((SECONDS - start))s"
 }
 

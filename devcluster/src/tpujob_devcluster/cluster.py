@@ -24,7 +24,7 @@ import yaml
 from tpujob_contract import JOBSET_NAME_LABEL
 
 from .certs import issue_serving_cert
-from .controlplane import REPO_ROOT, Component, ControlPlane, build_binaries, free_port, http_ok
+from .controlplane import JOBSET_FEATURE_GATES, REPO_ROOT, Component, ControlPlane, build_binaries, free_port, http_ok
 from .fakegcs import FakeGcsServer, start_fake_gcs
 from .kueue import Kueue
 from .podrunner import NODE_LABEL
@@ -155,6 +155,7 @@ class DevCluster:
                     "webhook": {"port": webhook_port, "host": "127.0.0.1", "certDir": str(cert_dir)},
                     "metrics": {"bindAddress": "0"},
                     "health": {"healthProbeBindAddress": f"127.0.0.1:{health_port}"},
+                    "featureGates": JOBSET_FEATURE_GATES,
                 }
             )
         )
@@ -223,6 +224,7 @@ class DevCluster:
                 f"--state-dir={self.state_dir}",
                 f"--images={IMAGES_FILE}",
                 f"--api-port={self.plane.api_port}",
+                f"--agent-dir={self.bin_dir / 'agent'}",
                 *env_args,
                 *([f"--interval={self.pod_runner_interval}"] if self.pod_runner_interval is not None else []),
             ],

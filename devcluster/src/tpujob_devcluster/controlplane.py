@@ -29,6 +29,25 @@ REPO_ROOT = Path(__file__).resolve().parents[3]
 BUILD_SCRIPT = REPO_ROOT / "devcluster" / "build.sh"
 TOOLS_SCRIPT = REPO_ROOT / "devcluster" / "tools.sh"
 SERVICE_CIDR = "10.96.0.0/24"  # allocation range only: no traffic is ever sent to it
+# Kubernetes 1.35's container restart rules (KEP-5307, beta, on by default in 1.35: named so that
+# the apiserver never drops a container's restartPolicy/restartPolicyRules, as it does with the gate
+# off) and their RestartAllContainers action (KEP-5532, alpha: refused by validation without it).
+# The pod runner implements both as the 1.35 kubelet does with these gates. The action
+# depends on NodeDeclaredFeatures (alpha; the apiserver refuses to start without it). The scheduler
+# runs without these gates: with NodeDeclaredFeatures it would place a pod using the action only on a
+# node whose status.declaredFeatures lists it (a 1.35 kubelet with the gate declares it; kwok's nodes
+# declare nothing).
+FEATURE_GATES = {
+    "ContainerRestartRules": True,
+    "RestartAllContainersOnContainerExits": True,
+    "NodeDeclaredFeatures": True,
+}
+# JobSet's own gate (its Configuration's featureGates; the controller has no flag for it).
+JOBSET_FEATURE_GATES = {"InPlaceRestart": True}
+
+
+def feature_gates_flag(gates: dict[str, bool]) -> str:
+    return "--feature-gates=" + ",".join(f"{name}={str(on).lower()}" for name, on in sorted(gates.items()))
 
 
 class ControlPlaneError(RuntimeError):
@@ -161,6 +180,7 @@ class ControlPlane:
             "--leader-elect=false",
             "--secure-port=0",
             "--concurrent-gc-syncs=5",
+            feature_gates_flag(FEATURE_GATES),
             "--v=1",
         ]
         self.launch(self._binary("kube-controller-manager", kcm_flags), self._namespace_default_ready, timeout)
@@ -191,6 +211,7 @@ class ControlPlane:
             # among them: restricted namespaces and the chart's TrainingJob policy rely on them.
             *([] if self.service_account_admission else ["--disable-admission-plugins=ServiceAccount"]),
             "--enable-priority-and-fairness=false",
+            feature_gates_flag(FEATURE_GATES),
             "--v=1",
             *self._audit_args(),
         ]

@@ -14,6 +14,19 @@ A pod bound to one of the devcluster's nodes runs as a local process:
 - status goes back to the API as kubelet reports it: Running with podIP, then Succeeded/Failed with
   the real exit code (128+signal when killed); deleting the pod sends SIGTERM, then SIGKILL after
   the grace period, as kubelet does;
+- restarts in place, as the 1.35 kubelet with ContainerRestartRules and
+  RestartAllContainersOnContainerExits: a container that exits is started again in the same pod
+  (same uid, address, directory and emptyDir volumes) when its restartPolicyRules or restartPolicy,
+  else the pod's restartPolicy, say so (exit_action), after the kubelet's crash-loop back-off
+  (restart_backoff); restartCount, lastState.terminated and state.waiting are reported as kubelet
+  reports them. Only the pod's first container runs (init and sidecar containers are not run);
+- when a container's main process exits, its whole process group is killed (a container's PID
+  namespace dies with its PID 1): no child outlives it;
+- emptyDir volumes live as long as the pod under <pod dir>/volumes/<uid>/<name> (medium Memory: a
+  tmpfs, sizeLimit its size, mounted outside the container's mount namespace) and are bind-mounted at
+  their volumeMounts' mountPath (created when missing: there is no image filesystem to hold it);
+- PATH: the image's entries from the image table (`path`), the runner's PATH, then the directory of
+  JobSet's in-place-restart agent (--agent-dir), so `command: [in-place-restart-agent]` runs it;
 - securityContext (runAsNonRoot, runAsUser, capabilities, seccomp) is not applied: every process
   runs as the runner's user, since the project's interpreter is not readable by other users. The
   apiserver's PodSecurity admission is the real check of the pod spec (on by default);
@@ -38,6 +51,7 @@ import subprocess
 import sys
 import tempfile
 import threading
+import time
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
@@ -62,6 +76,19 @@ def now() -> str:
 def load_image_table(path: Path) -> list[tuple[str, list[str]]]:
     table = yaml.safe_load(path.read_text())["images"]
     return [(entry["pattern"], list(entry["entrypoint"])) for entry in table]
+
+
+def load_image_paths(path: Path) -> list[tuple[str, list[str]]]:
+    """Each image's extra PATH entries (`path` in the table): directories of its filesystem."""
+    table = yaml.safe_load(path.read_text())["images"]
+    return [(entry["pattern"], list(entry.get("path") or [])) for entry in table]
+
+
+def image_path(image: str, paths: list[tuple[str, list[str]]], python: str) -> list[str]:
+    """The first matching entry's PATH entries; `{python_dir}` is the directory of the project's
+    interpreter (its venv's bin: `python` there is that interpreter)."""
+    found = next((entry for pattern, entry in paths if fnmatch.fnmatch(image, pattern)), [])
+    return [part.replace("{python_dir}", str(Path(python).parent)).replace("{repo}", str(REPO_ROOT)) for part in found]
 
 
 def container_argv(container: dict[str, Any], images: list[tuple[str, list[str]]], python: str) -> list[str]:
@@ -132,6 +159,228 @@ def tpu_chips(container: dict[str, Any]) -> int:
     return int(limits.get(TPU_RESOURCE, 0))
 
 
+# -- restarts in place, as the 1.35 kubelet ---------------------------------------------------------
+RESTART = "Restart"
+RESTART_ALL = "RestartAllContainers"
+# The kubelet's crash-loop back-off with the gates the devcluster enables (ReduceDefaultCrashLoopBackOffDecay
+# off: pkg/kubelet/kubelet.go initialCrashLoopBackOff, MaxContainerBackOff): 10 s doubling to 5 min,
+# forgotten once a container ran for twice the maximum.
+BACKOFF_INITIAL_S = 10.0
+BACKOFF_MAX_S = 300.0
+RESTARTING_ALL_CONTAINERS = "RestartingAllContainers"  # kubelet's reason for a container reset by the action
+ALL_CONTAINERS_RESTARTING = "AllContainersRestarting"  # the pod condition the action sets
+
+
+def matching_restart_rule(container: dict[str, Any], exit_code: int) -> dict[str, Any] | None:
+    """podutil.FindMatchingContainerRestartRule: the first rule whose exitCodes In/NotIn matches."""
+    for rule in container.get("restartPolicyRules") or []:
+        codes = rule.get("exitCodes")
+        if not codes:
+            continue
+        listed = exit_code in (codes.get("values") or [])
+        if (codes.get("operator") == "In" and listed) or (codes.get("operator") == "NotIn" and not listed):
+            return dict(rule)
+    return None
+
+
+def exit_action(pod_spec: dict[str, Any], container: dict[str, Any], exit_code: int) -> str | None:
+    """podutil.ContainerShouldRestart with both gates on: RESTART, RESTART_ALL or None (the container
+    stays terminated). The container's restartPolicy (with its rules) wins over the pod's."""
+    own = container.get("restartPolicy")
+    if own is not None:
+        rule = matching_restart_rule(container, exit_code)
+        if rule is not None and rule.get("action") in (RESTART, RESTART_ALL):
+            return str(rule["action"])
+        if own == "Always" or (own == "OnFailure" and exit_code != 0):
+            return RESTART
+        if own in ("Never", "OnFailure"):
+            return None
+    policy = pod_spec.get("restartPolicy") or "Always"
+    if policy == "Always" or (policy == "OnFailure" and exit_code != 0):
+        return RESTART
+    return None
+
+
+def could_restart_all(pod_spec: dict[str, Any]) -> bool:
+    """podutil.AllContainersCouldRestart: only such pods carry the AllContainersRestarting condition."""
+    containers = (pod_spec.get("initContainers") or []) + (pod_spec.get("containers") or [])
+    return any(r.get("action") == RESTART_ALL for c in containers for r in c.get("restartPolicyRules") or [])
+
+
+@dataclass(frozen=True)
+class Backoff:
+    """One container's entry in the kubelet's crash-loop back-off (client-go flowcontrol.Backoff)."""
+
+    period: float
+    last_update: float
+
+
+def restart_backoff(
+    entry: Backoff | None,
+    finished_at: float,
+    now_s: float,
+    initial: float = BACKOFF_INITIAL_S,
+    maximum: float = BACKOFF_MAX_S,
+) -> tuple[float, Backoff]:
+    """(seconds to wait before the restart, the entry after it), as kubelet's doBackOff: the first
+    restart (or the first after a quiet 2 x maximum) is immediate and arms `initial`; each later one
+    waits out the armed period counted from the exit, then doubles it, up to `maximum`."""
+    if entry is None or finished_at - entry.last_update > 2 * maximum:
+        return 0.0, Backoff(initial, now_s)
+    delay = max(0.0, entry.period - (now_s - finished_at))
+    return delay, Backoff(min(entry.period * 2, maximum), now_s + delay)
+
+
+def container_status(
+    container: dict[str, Any],
+    state: dict[str, Any],
+    restart_count: int = 0,
+    last_terminated: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    """One entry of status.containerStatuses, as kubelet writes it. Once the container restarted, the
+    state's other keys are sent as null: a strategic merge would otherwise keep an earlier state's."""
+    running = "running" in state
+    if restart_count:
+        state = {key: state.get(key) for key in ("running", "waiting", "terminated")}
+    status: dict[str, Any] = {
+        "name": container.get("name", ""),
+        "ready": running,
+        "restartCount": restart_count,
+        "image": container.get("image", ""),
+        "imageID": "",
+        "started": running,
+        "state": state,
+    }
+    if last_terminated:
+        status["lastState"] = {"terminated": last_terminated}
+    return status
+
+
+def pod_status(
+    phase: str,
+    container: dict[str, Any],
+    state: dict[str, Any],
+    at: str,
+    ip: str | None = None,
+    start_time: str | None = None,
+    restart_count: int = 0,
+    last_terminated: dict[str, Any] | None = None,
+    restarting_all: bool | None = None,
+) -> dict[str, Any]:
+    """The pod status kubelet reports. `restarting_all`: None leaves out AllContainersRestarting
+    (a pod without a RestartAllContainers rule), else that condition's status."""
+    ready = "True" if phase == "Running" and "running" in state else "False"
+    conditions = [
+        {"type": t, "status": ready if t in ("Ready", "ContainersReady") else "True", "lastTransitionTime": at}
+        for t in ("PodScheduled", "Initialized", "ContainersReady", "Ready")
+    ]
+    if restarting_all is not None:
+        condition: dict[str, Any] = {
+            "type": ALL_CONTAINERS_RESTARTING,
+            "status": "True" if restarting_all else "False",
+            "lastTransitionTime": at,
+        }
+        if restarting_all:
+            condition.update(reason="RestartAllContainersStarted", message="container exited with restart policy rule")
+        conditions.append(condition)
+    status: dict[str, Any] = {
+        "phase": phase,
+        "hostIP": "127.0.0.1",
+        "conditions": conditions,
+        "containerStatuses": [container_status(container, state, restart_count, last_terminated)],
+    }
+    if ip:
+        status.update(podIP=ip, podIPs=[{"ip": ip}])
+    if start_time:
+        status["startTime"] = start_time
+    return status
+
+
+# -- emptyDir volumes -------------------------------------------------------------------------------
+_QUANTITY = re.compile(r"^(\d+(?:\.\d+)?)(Ki|Mi|Gi|Ti|k|M|G|T)?$")
+_UNITS = {None: 1, "k": 10**3, "M": 10**6, "G": 10**9, "T": 10**12, "Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40}
+
+
+def quantity_bytes(quantity: str) -> int:
+    match = _QUANTITY.match(str(quantity))
+    if not match:
+        raise ValueError(f"unsupported quantity {quantity!r}")
+    return int(float(match.group(1)) * _UNITS[match.group(2)])
+
+
+@dataclass(frozen=True)
+class VolumeMount:
+    name: str
+    source: Path  # the pod's directory of the volume (lives as long as the pod)
+    mount_path: str
+    memory: bool  # medium: Memory, a tmpfs
+    size_bytes: int | None  # sizeLimit (a tmpfs' size; kubelet's default for Memory is the node's memory)
+    read_only: bool = False
+
+
+def empty_dir_mounts(pod_spec: dict[str, Any], container: dict[str, Any], volumes_dir: Path) -> list[VolumeMount]:
+    """The container's volumeMounts of the pod's emptyDir volumes (other volume types are not run)."""
+    empty_dirs = {v["name"]: v["emptyDir"] for v in pod_spec.get("volumes") or [] if v.get("emptyDir") is not None}
+    mounts = []
+    for mount in container.get("volumeMounts") or []:
+        source = empty_dirs.get(mount["name"])
+        if source is None:
+            continue
+        if mount.get("subPath"):
+            raise ValueError(f"volumeMount {mount['name']}: subPath is not supported by the pod runner")
+        size = source.get("sizeLimit")
+        mounts.append(
+            VolumeMount(
+                name=mount["name"],
+                source=volumes_dir / mount["name"],
+                mount_path=mount["mountPath"],
+                memory=source.get("medium") == "Memory",
+                size_bytes=quantity_bytes(size) if size is not None else None,
+                read_only=bool(mount.get("readOnly")),
+            )
+        )
+    return mounts
+
+
+def prepare_volumes(mounts: list[VolumeMount]) -> None:
+    """The pod's volume directories; a Memory one is a tmpfs mounted here, in the runner's (the
+    host's) mount namespace, so that it outlives each container and goes with the pod."""
+    for m in mounts:
+        m.source.mkdir(parents=True, exist_ok=True)
+        if m.memory and not os.path.ismount(m.source):
+            options = f"size={m.size_bytes}" if m.size_bytes else "size=50%"
+            subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(m.source)], check=True)
+
+
+def release_volumes(mounts: list[VolumeMount], volumes_dir: Path | None) -> None:
+    """The pod is gone: unmount its tmpfs volumes (lazily: a dying process may still hold one), drop the data."""
+    for m in mounts:
+        if m.memory and os.path.ismount(m.source):
+            subprocess.run(["umount", "-l", str(m.source)], check=False)
+    if volumes_dir is not None:
+        shutil.rmtree(volumes_dir, ignore_errors=True)
+
+
+def release_mounts_under(root: Path) -> None:
+    """Unmount whatever an earlier runner, killed before it could, left mounted under `root`."""
+    prefix = str(root.resolve()) + "/"
+    with contextlib.suppress(OSError), open("/proc/self/mounts") as mounts:
+        points = [line.split()[1] for line in mounts]
+    for point in sorted((p for p in points if p.startswith(prefix)), reverse=True):
+        subprocess.run(["umount", "-l", point], check=False)
+
+
+def mount_commands(mounts: list[VolumeMount]) -> list[str]:
+    """Shell, run in the container's new mount namespace: bind each volume at its mountPath."""
+    commands = []
+    for m in mounts:
+        target = shlex.quote(m.mount_path)
+        commands.append(f"mkdir -p {target} && mount --bind {shlex.quote(str(m.source))} {target}")
+        if m.read_only:
+            commands.append(f"mount -o remount,bind,ro {target}")
+    return commands
+
+
 @dataclass
 class RunningPod:
     uid: str
@@ -147,6 +396,15 @@ class RunningPod:
     vanished: bool = False  # the pod or its node left the API: nobody is left to report to
     finished: bool = False
     lock: threading.Lock = field(default_factory=threading.Lock)
+    # What a restart in place needs: the container's launch, its restarts, its back-off, its volumes.
+    launch: list[str] = field(default_factory=list)
+    env: dict[str, str] = field(default_factory=dict)
+    restart_count: int = 0
+    backoff: Backoff | None = None
+    volumes: list[VolumeMount] = field(default_factory=list)
+    volumes_dir: Path | None = None
+    wake: threading.Event = field(default_factory=threading.Event)  # ends a back-off wait (deletion)
+    last_terminated: dict[str, Any] | None = None  # lastState.terminated once it restarted
 
 
 # Every devcluster on this machine shares the loopback interface, and a coordinator port is the
@@ -230,11 +488,19 @@ def _rewrite(path: Path, lines: list[str]) -> None:
 
 class PodRunner:
     def __init__(
-        self, state_dir: Path, images: Path, extra_env: dict[str, str], api_port: int, cpu_devices_per_pod: int
+        self,
+        state_dir: Path,
+        images: Path,
+        extra_env: dict[str, str],
+        api_port: int,
+        cpu_devices_per_pod: int,
+        agent_dir: Path | None = None,
     ) -> None:
         self.state_dir = state_dir
         self.cpu_devices_per_pod = cpu_devices_per_pod
         self.images = load_image_table(images)
+        self.image_paths = load_image_paths(images)
+        self.agent_dir = agent_dir
         self.extra_env = extra_env
         self.api_port = api_port
         self.core = client.CoreV1Api()
@@ -244,6 +510,7 @@ class PodRunner:
         # An earlier runner's hosts files name addresses it no longer holds (another runner may hand
         # them out now): a peer must never resolve a name to a stale address. No pod runs yet.
         shutil.rmtree(self.state_dir / "hosts", ignore_errors=True)
+        release_mounts_under(self.state_dir / "pods")  # an earlier runner's tmpfs volumes, if it was killed
         self.stopping = threading.Event()
 
     # -- hosts files: the stand-in for the headless Service's DNS records -------------------------
@@ -291,10 +558,17 @@ class PodRunner:
             if chips:  # a TPU host becomes a JAX process with CPU devices standing in for its chips
                 devices = chips if self.cpu_devices_per_pod == 0 else min(chips, self.cpu_devices_per_pod)
                 extra.update(JAX_PLATFORMS="cpu", XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}")
+            path = [*image_path(container["image"], self.image_paths, sys.executable), os.environ.get("PATH", "")]
+            if self.agent_dir is not None:
+                path.append(str(self.agent_dir))
+            extra["PATH"] = ":".join(p for p in path if p)
             env = container_env(pod, container, extra)
             argv = expand_var_refs(argv, env)
+            volumes_dir = directory / "volumes" / uid
+            volumes = empty_dir_mounts(spec, container, volumes_dir)
             token_dir = self._service_account(pod, directory)
-        except (ValueError, ApiException) as error:
+            prepare_volumes(volumes)
+        except (ValueError, ApiException, subprocess.CalledProcessError) as error:
             self._report(pod, "Failed", terminated={"exitCode": 128, "reason": "StartError", "message": str(error)})
             log.warning("%s/%s cannot start: %s", namespace, name, getattr(error, "body", None) or error)
             return
@@ -302,24 +576,32 @@ class PodRunner:
         mounts = f"mount --bind {shlex.quote(str(hosts_file))} /etc/hosts"
         if token_dir:
             mounts += f" && mkdir -p {SA_MOUNT} && mount --bind {shlex.quote(str(token_dir))} {SA_MOUNT}"
+        mounts = " && ".join([mounts, *mount_commands(volumes)])
         script = f'hostname {shlex.quote(hostname)} && {mounts} && exec "$@"'
-        log_file = (directory / "log").open("ab")
-        process = subprocess.Popen(
-            ["unshare", "--mount", "--uts", "--propagation", "private", "--", "sh", "-c", script, "pod", *argv],
-            cwd=directory,
-            env=env,
-            stdout=log_file,
-            stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL,
-            start_new_session=True,
-        )
-        log_file.close()
-        (directory / "pid").write_text(str(process.pid))
+        launch = ["unshare", "--mount", "--uts", "--propagation", "private", "--", "sh", "-c", script, "pod", *argv]
+        process = self._spawn(directory, launch, env)
         running = RunningPod(uid, namespace, name, ip, directory, process, now(), hosts_file, fqdn)
+        running.launch, running.env, running.volumes, running.volumes_dir = launch, env, volumes, volumes_dir
         self.pods[uid] = running
         self._report(pod, "Running", ip=ip, started_at=running.started_at)
         log.info("started %s/%s as pid %d on %s (%s)", namespace, name, process.pid, ip, " ".join(argv[:4]))
         threading.Thread(target=self._wait_for_exit, args=(running, pod), daemon=True).start()
+
+    @staticmethod
+    def _spawn(directory: Path, launch: list[str], env: dict[str, str]) -> subprocess.Popen[bytes]:
+        """The container's main process, leading a process group of its own (the pid file names it)."""
+        with (directory / "log").open("ab") as log_file:
+            process = subprocess.Popen(
+                launch,
+                cwd=directory,
+                env=env,
+                stdout=log_file,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                start_new_session=True,
+            )
+        (directory / "pid").write_text(str(process.pid))
+        return process
 
     def _service_account(self, pod: dict[str, Any], directory: Path) -> Path | None:
         spec = pod["spec"]
@@ -348,32 +630,123 @@ class PodRunner:
         return token_dir
 
     def _wait_for_exit(self, running: RunningPod, pod: dict[str, Any]) -> None:
-        code = running.process.wait()
-        exit_code = code if code >= 0 else 128 - code  # killed by signal N: 128+N, as runtimes report
+        container = pod["spec"]["containers"][0]
+        while True:
+            code = running.process.wait()
+            # A container's PID namespace dies with its PID 1: nothing it started outlives it.
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(running.process.pid, signal.SIGKILL)
+            exit_code = code if code >= 0 else 128 - code  # killed by signal N: 128+N, as runtimes report
+            finished = time.monotonic()
+            terminated = {
+                "exitCode": exit_code,
+                "reason": "Completed" if exit_code == 0 else "Error",
+                "startedAt": running.started_at,
+                "finishedAt": now(),
+            }
+            log.info("%s/%s exited with %d", running.namespace, running.name, exit_code)
+            action = None if running.killed_for_deletion else exit_action(pod["spec"], container, exit_code)
+            if running.vanished or action is None:
+                break
+            if not self._restart(running, pod, container, action, terminated, finished):
+                break
         self._remove_host(running.hosts_file, running.ip)
         with running.lock:
             running.finished = True
-        terminated = {
-            "exitCode": exit_code,
-            "reason": "Completed" if exit_code == 0 else "Error",
-            "startedAt": running.started_at,
-            "finishedAt": now(),
-        }
-        log.info("%s/%s exited with %d", running.namespace, running.name, exit_code)
         if running.vanished:
+            release_volumes(running.volumes, running.volumes_dir)
             return
         if running.killed_for_deletion:
             self._finish_deletion(running, terminated)
             return
-        self._report(pod, "Succeeded" if exit_code == 0 else "Failed", ip=running.ip, terminated=terminated)
+        self._report(
+            pod, "Succeeded" if exit_code == 0 else "Failed", ip=running.ip, terminated=terminated, running=running
+        )
+
+    def _restart(
+        self,
+        running: RunningPod,
+        pod: dict[str, Any],
+        container: dict[str, Any],
+        action: str,
+        terminated: dict[str, Any],
+        finished: float,
+    ) -> bool:
+        """Start the container again in the same pod, as kubelet; False when the pod went meanwhile."""
+        restart_all = could_restart_all(pod["spec"])
+        if action == RESTART_ALL:
+            # Every container is killed and removed, so none is in back-off; their last state reads
+            # RestartingAllContainers (kubelet_pods.go), the pod condition says so until they run again.
+            self._report_restart(pod, running, {"terminated": terminated}, running.last_terminated, True)
+            delay = 0.0
+            terminated = {
+                **terminated,
+                "exitCode": 137,
+                "reason": RESTARTING_ALL_CONTAINERS,
+                "message": "The container is removed because RestartAllContainers in place",
+            }
+        else:
+            delay, running.backoff = restart_backoff(running.backoff, finished, time.monotonic())
+        running.restart_count += 1
+        running.last_terminated = terminated
+        if delay > 0:
+            waiting = {
+                "reason": "CrashLoopBackOff",
+                "message": f"back-off {delay:.0f}s restarting failed container={container['name']} pod={running.name}",
+            }
+            self._report_restart(pod, running, {"waiting": waiting}, terminated, False if restart_all else None)
+            running.wake.wait(delay)
+        with running.lock:
+            if running.killed_for_deletion or running.vanished:
+                return False
+            running.started_at = now()
+            running.process = self._spawn(running.directory, running.launch, running.env)
+        log.info(
+            "restarted %s/%s in place (%s, restart %d)", running.namespace, running.name, action, running.restart_count
+        )
+        state = {"running": {"startedAt": running.started_at}}
+        self._report_restart(pod, running, state, terminated, False if restart_all else None)
+        return True
+
+    def _report_restart(
+        self,
+        pod: dict[str, Any],
+        running: RunningPod,
+        state: dict[str, Any],
+        last: dict[str, Any] | None,
+        restarting_all: bool | None,
+    ) -> None:
+        status = pod_status(
+            "Running",
+            pod["spec"]["containers"][0],
+            state,
+            now(),
+            ip=running.ip,
+            restart_count=running.restart_count,
+            last_terminated=last,
+            restarting_all=restarting_all,
+        )
+        try:
+            self.core.patch_namespaced_pod_status(
+                running.name,
+                running.namespace,
+                {"status": status},
+                _content_type="application/strategic-merge-patch+json",
+            )
+        except ApiException as error:
+            if error.status != 404:
+                log.warning("status of %s/%s: %s", running.namespace, running.name, error)
 
     def _finish_deletion(self, running: RunningPod, terminated: dict[str, Any]) -> None:
         try:
-            self._patch_status(running.namespace, running.name, "Failed", running.ip, terminated=terminated)
+            self._patch_status(
+                running.namespace, running.name, "Failed", running.ip, terminated=terminated, running=running
+            )
             self.core.delete_namespaced_pod(running.name, running.namespace, grace_period_seconds=0)
         except ApiException as error:
             if error.status != 404:
                 log.warning("finishing deletion of %s/%s: %s", running.namespace, running.name, error)
+        release_volumes(running.volumes, running.volumes_dir)
         self.pods.pop(running.uid, None)
 
     def delete_pod(self, running: RunningPod, grace_seconds: int) -> None:
@@ -382,6 +755,7 @@ class PodRunner:
             if running.killed_for_deletion:
                 return
             running.killed_for_deletion = True
+            running.wake.set()  # a container waiting out a back-off is not started again
             if running.finished:
                 self._finish_deletion(running, {"exitCode": running.process.returncode or 0, "reason": "Completed"})
                 return
@@ -408,12 +782,14 @@ class PodRunner:
         ip: str | None = None,
         started_at: str | None = None,
         terminated: dict[str, Any] | None = None,
+        running: RunningPod | None = None,
     ) -> None:
+        meta = pod["metadata"]
         try:
-            self._patch_status(pod["metadata"]["namespace"], pod["metadata"]["name"], phase, ip, started_at, terminated)
+            self._patch_status(meta["namespace"], meta["name"], phase, ip, started_at, terminated, running)
         except ApiException as error:
             if error.status != 404:
-                log.warning("status of %s/%s: %s", pod["metadata"]["namespace"], pod["metadata"]["name"], error)
+                log.warning("status of %s/%s: %s", meta["namespace"], meta["name"], error)
 
     def _patch_status(
         self,
@@ -423,39 +799,23 @@ class PodRunner:
         ip: str | None,
         started_at: str | None = None,
         terminated: dict[str, Any] | None = None,
+        running: RunningPod | None = None,
     ) -> None:
-        ready = "True" if phase == "Running" else "False"
         state = {"terminated": terminated} if terminated else {"running": {"startedAt": started_at or now()}}
-        status: dict[str, Any] = {
-            "phase": phase,
-            "hostIP": "127.0.0.1",
-            "conditions": [
-                {
-                    "type": t,
-                    "status": ready if t in ("Ready", "ContainersReady") else "True",
-                    "lastTransitionTime": now(),
-                }
-                for t in ("PodScheduled", "Initialized", "ContainersReady", "Ready")
-            ],
-            "containerStatuses": [
-                {
-                    "name": "trainer" if name else "",
-                    "ready": phase == "Running",
-                    "restartCount": 0,
-                    "image": "",
-                    "imageID": "",
-                    "started": phase == "Running",
-                    "state": state,
-                }
-            ],
-        }
-        if ip:
-            status.update(podIP=ip, podIPs=[{"ip": ip}])
-        if started_at:
-            status["startTime"] = started_at
         pod: Any = self.core.read_namespaced_pod(name, namespace)
-        status["containerStatuses"][0]["name"] = pod.spec.containers[0].name
-        status["containerStatuses"][0]["image"] = pod.spec.containers[0].image
+        spec = self.core.api_client.sanitize_for_serialization(pod.spec)
+        restarts = running.restart_count if running is not None else 0
+        status = pod_status(
+            phase,
+            spec["containers"][0],
+            state,
+            now(),
+            ip=ip,
+            start_time=started_at,
+            restart_count=restarts,
+            last_terminated=running.last_terminated if running is not None else None,
+            restarting_all=False if restarts and could_restart_all(spec) else None,
+        )
         # Strategic merge, as kubelet's status manager: conditions merge by type, so a DisruptionTarget
         # set by the control plane (eviction, preemption, pod GC) survives this report.
         self.core.patch_namespaced_pod_status(
@@ -495,7 +855,10 @@ class PodRunner:
         for uid in [u for u in self.pods if u not in seen]:
             running = self.pods.pop(uid)
             running.vanished = True
+            running.wake.set()
             self._signal(running, signal.SIGKILL)
+            if running.finished:  # no exit is left to wait for: its volumes go now
+                release_volumes(running.volumes, running.volumes_dir)
 
     def _force_delete(self, meta: dict[str, Any]) -> None:
         try:
@@ -515,8 +878,11 @@ class PodRunner:
 
     def stop_all(self) -> None:
         for running in list(self.pods.values()):
+            running.vanished = True  # no container starts again
+            running.wake.set()
             self._signal(running, signal.SIGKILL)
             running.process.wait()
+            release_volumes(running.volumes, running.volumes_dir)
         self.addresses.close()
 
 
@@ -527,6 +893,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--images", type=Path, required=True)
     parser.add_argument("--api-port", type=int, required=True)
     parser.add_argument("--env", action="append", default=[], help="KEY=VALUE added to every pod")
+    parser.add_argument("--agent-dir", type=Path, help="JobSet's in-place-restart agent's folder, on every pod's PATH")
     parser.add_argument("--interval", type=float, default=0.3)
     parser.add_argument(
         "--cpu-devices-per-pod",
@@ -539,7 +906,7 @@ def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     config.load_kube_config(args.kubeconfig)
     extra = dict(item.split("=", 1) for item in args.env)
-    runner = PodRunner(args.state_dir, args.images, extra, args.api_port, args.cpu_devices_per_pod)
+    runner = PodRunner(args.state_dir, args.images, extra, args.api_port, args.cpu_devices_per_pod, args.agent_dir)
     signal.signal(signal.SIGTERM, lambda *_: runner.stopping.set())
     runner.run(args.interval)
 
