@@ -58,7 +58,7 @@ def test_a_failed_worker_is_scraped_as_one_counted_application_error_restart(
     operator, cluster, unique_name, metrics_server
 ):
     job = {"namespace": cluster.namespace, "name": unique_name}
-    restart = {**job, "kind": "ApplicationError", "counted": "true"}
+    restart = {**job, "kind": "ApplicationError", "counted": "true", "rung": "Recreate"}
     metrics = operator.runtime.metrics
     detections = value(metrics, "tpujob_failure_detection_seconds_count", kind="ApplicationError")
     bucket = storage.Client(project="t", credentials=AnonymousCredentials()).bucket(TEST_BUCKET)

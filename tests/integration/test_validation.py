@@ -470,7 +470,7 @@ def test_printer_columns_come_back_from_the_apiserver(kube, control_plane, names
     )
     assert code == 200, table
     names = [c["name"] for c in table["columnDefinitions"]]
-    assert names == ["Name", "Phase", "Stage", "Step", "Checkpoint", "Restarts", "Goodput", "Age"]
+    assert names == ["Name", "Phase", "Stage", "Step", "Checkpoint", "Restarts", "InPlace", "Goodput", "Age"]
 
 
 def test_kubectl_explain_shows_field_descriptions(control_plane):

@@ -45,7 +45,16 @@ def test_every_spec_field_has_a_description_for_kubectl_explain():
 
 def test_printer_columns():
     columns = crd.build_crd()["spec"]["versions"][0]["additionalPrinterColumns"]
-    assert [c["name"] for c in columns] == ["Phase", "Stage", "Step", "Checkpoint", "Restarts", "Goodput", "Age"]
+    assert [c["name"] for c in columns] == [
+        "Phase",
+        "Stage",
+        "Step",
+        "Checkpoint",
+        "Restarts",
+        "InPlace",
+        "Goodput",
+        "Age",
+    ]
 
 
 def _spec_schema():

@@ -11,6 +11,7 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.parser import text_string_to_metric_families
 from tpujob_operator import __main__ as main
 from tpujob_operator import api
+from tpujob_operator.api import RECREATE
 from tpujob_operator.facts import JobSetFacts, Observed, PodFacts
 from tpujob_operator.metrics import BADPUT_CAUSES, OperatorMetrics
 from tpujob_operator.reconcile import reconcile
@@ -21,6 +22,7 @@ from .factories import progress_record, training_job
 T0 = datetime(2026, 11, 30, 12, 0, tzinfo=UTC)
 UID = "0000-1111"  # tests/unit/factories.py's TrainingJob
 JOB = {"namespace": "ml", "name": "llama"}
+RESTART = {**JOB, "rung": RECREATE}  # the restarts these tests decide
 
 
 class Clock:
@@ -67,14 +69,14 @@ def test_a_restart_is_counted_once_under_its_kind_and_whether_it_counted(metrics
     metrics.observe_reconcile("ml", "llama", tj.status, after, decided)
 
     restarts = "tpujob_restarts_total"
-    assert sample(metrics, restarts, **JOB, kind="ApplicationError", counted="true") == 1
-    assert sample(metrics, restarts, **JOB, kind="ApplicationError", counted="false") is None
+    assert sample(metrics, restarts, **RESTART, kind="ApplicationError", counted="true") == 1
+    assert sample(metrics, restarts, **RESTART, kind="ApplicationError", counted="false") is None
     assert sample(metrics, "tpujob_lost_steps_total", **JOB) == 30
     assert sample(metrics, "tpujob_failure_detection_seconds_count", kind="ApplicationError") == 1
     assert sample(metrics, "tpujob_failure_detection_seconds_sum", kind="ApplicationError") == 2.0
     # The next reconcile reads what this one wrote: nothing new happened, nothing is counted again.
     metrics.observe_reconcile("ml", "llama", after, after, decided + timedelta(seconds=5))
-    assert sample(metrics, restarts, **JOB, kind="ApplicationError", counted="true") == 1
+    assert sample(metrics, restarts, **RESTART, kind="ApplicationError", counted="true") == 1
     assert sample(metrics, "tpujob_lost_steps_total", **JOB) == 30
     assert sample(metrics, "tpujob_failure_detection_seconds_count", kind="ApplicationError") == 1
 
@@ -82,8 +84,8 @@ def test_a_restart_is_counted_once_under_its_kind_and_whether_it_counted(metrics
 def test_a_preemption_restart_is_labelled_not_counted(metrics):
     tj, after = _restart(exit_code=143, decided=T0)
     metrics.observe_reconcile("ml", "llama", tj.status, after, T0)
-    assert sample(metrics, "tpujob_restarts_total", **JOB, kind="Preemption", counted="false") == 1
-    assert sample(metrics, "tpujob_restarts_total", **JOB, kind="Preemption", counted="true") is None
+    assert sample(metrics, "tpujob_restarts_total", **RESTART, kind="Preemption", counted="false") == 1
+    assert sample(metrics, "tpujob_restarts_total", **RESTART, kind="Preemption", counted="true") is None
 
 
 def test_the_timeline_decides_detection_when_it_is_recorded(metrics):
@@ -119,10 +121,10 @@ def test_recovery_is_observed_once_when_it_first_appears(metrics):
     assert later.last_failure.recovery_seconds == 42.0
     metrics.observe_reconcile("ml", "llama", after, later, now)
 
-    assert sample(metrics, "tpujob_recovery_seconds_count", kind="ApplicationError") == 1
-    assert sample(metrics, "tpujob_recovery_seconds_sum", kind="ApplicationError") == 42.0
-    assert sample(metrics, "tpujob_recovery_seconds_bucket", kind="ApplicationError", le="60.0") == 1
-    assert sample(metrics, "tpujob_restarts_total", **JOB, kind="ApplicationError", counted="true") is None
+    assert sample(metrics, "tpujob_recovery_seconds_count", kind="ApplicationError", rung=RECREATE) == 1
+    assert sample(metrics, "tpujob_recovery_seconds_sum", kind="ApplicationError", rung=RECREATE) == 42.0
+    assert sample(metrics, "tpujob_recovery_seconds_bucket", kind="ApplicationError", rung=RECREATE, le="60.0") == 1
+    assert sample(metrics, "tpujob_restarts_total", **RESTART, kind="ApplicationError", counted="true") is None
 
 
 def test_a_new_failure_with_recovery_is_observed_again(metrics):
@@ -133,7 +135,7 @@ def test_a_new_failure_with_recovery_is_observed_again(metrics):
     before = api.TrainingJobStatus(phase="Restarting", restarts=2, last_failure=first)
     after = api.TrainingJobStatus(phase="Running", restarts=2, last_failure=second)
     metrics.observe_reconcile("ml", "llama", before, after, T0 + timedelta(minutes=6))
-    assert sample(metrics, "tpujob_recovery_seconds_sum", kind="Hang") == 20
+    assert sample(metrics, "tpujob_recovery_seconds_sum", kind="Hang", rung=RECREATE) == 20
 
 
 def _with_goodput() -> api.TrainingJobStatus:
@@ -209,10 +211,10 @@ def test_forget_drops_gauges_now_and_counters_after_the_retention(metrics, clock
     assert sample(metrics, "tpujob_badput_seconds", **JOB, cause="scheduling") is None
     assert metrics.live_jobs() == 0
     # The final counts stay long enough for a scrape to see the last increment ...
-    assert sample(metrics, "tpujob_restarts_total", **JOB, kind="ApplicationError", counted="true") == 1
+    assert sample(metrics, "tpujob_restarts_total", **RESTART, kind="ApplicationError", counted="true") == 1
     clock.now += 601
     metrics.forget("ml", "some-other-job")  # ... and go at the next bookkeeping after the retention.
-    assert sample(metrics, "tpujob_restarts_total", **JOB, kind="ApplicationError", counted="true") is None
+    assert sample(metrics, "tpujob_restarts_total", **RESTART, kind="ApplicationError", counted="true") is None
     assert sample(metrics, "tpujob_lost_steps_total", **JOB) is None
 
 
@@ -223,7 +225,7 @@ def test_a_job_seen_again_keeps_its_counters(metrics, clock):
     metrics.observe_reconcile("ml", "llama", after, after, T0)  # re-created with the same name, say
     clock.now += 601
     metrics.forget("ml", "some-other-job")
-    assert sample(metrics, "tpujob_restarts_total", **JOB, kind="ApplicationError", counted="true") == 1
+    assert sample(metrics, "tpujob_restarts_total", **RESTART, kind="ApplicationError", counted="true") == 1
 
 
 def test_reconcile_duration_and_errors(metrics):
@@ -247,10 +249,21 @@ def test_serve_exposes_the_metrics_over_http(metrics):
         server.server_close()
     families = {f.name: f for f in text_string_to_metric_families(text)}
     [restart] = [s for s in families["tpujob_restarts"].samples if s.name == "tpujob_restarts_total"]
-    assert restart.labels == {**JOB, "kind": "ApplicationError", "counted": "true"} and restart.value == 1
+    assert restart.labels == {**RESTART, "kind": "ApplicationError", "counted": "true"} and restart.value == 1
     assert {"tpujob_jobs", "tpujob_reconcile_duration_seconds", "tpujob_reconcile_errors"} <= set(families)
 
 
 def test_metrics_port_flag():
     assert main.parse_args(["--no-leader-elect"]).metrics_port == 8081
     assert main.parse_args(["--no-leader-elect", "--metrics-port", "0"]).metrics_port == 0
+
+
+def test_an_in_place_restart_is_counted_under_its_rung(metrics):
+    tj = training_job(restart={"strategy": "InPlace"}, status={"phase": "Running", "attempt": 0})
+    crashed = PodFacts("w1", 1, "Running", restart_count=1, last_exit_code=1, last_finished_at=T0)
+    jobset = JobSetFacts("llama-a0", 0, None, T0, "Active", pods=(crashed,), uid=UID, in_place=True, in_place_round=1)
+    after, _ = reconcile(tj, Observed(now=T0, jobsets=(jobset,), latest_committed_step=100))
+    metrics.observe_reconcile("ml", "llama", tj.status, after, T0)
+    labels = {**JOB, "kind": "ApplicationError", "counted": "true"}
+    assert sample(metrics, "tpujob_restarts_total", **labels, rung="InPlace") == 1
+    assert sample(metrics, "tpujob_restarts_total", **labels, rung=RECREATE) is None

@@ -59,8 +59,10 @@ NAME_LENGTH_MESSAGE = (
 MAX_SECONDS = 7 * 24 * 3600  # restart backoff and every stage timeout: at most a week
 MAX_MIN_INTERVAL_SECONDS = 24 * 3600
 MAX_RESTARTS = 10_000
-# The restart ladder's rungs (spec.restart.strategy): the first a failure takes.
+# The restart ladder's rungs (spec.restart.strategy): the first a failure takes. Recreate, the default,
+# runs on every cluster; InPlace needs alpha feature gates and JobSet's agent in the image.
 RestartStrategy = Literal["InPlace", "Recreate"]
+RECREATE: RestartStrategy = "Recreate"
 MAX_KEEP_LATEST = 1000
 MAX_STEPS = 1_000_000_000
 MAX_ENV = 256
@@ -598,7 +600,7 @@ class RestartSpec(ApiModel):
     )
 
     strategy: RestartStrategy = Field(
-        default="Recreate",
+        default=RECREATE,
         description=(
             "How a failed attempt restarts. Recreate: a new JobSet, every pod rescheduled. InPlace: JobSet's "
             "in-place restart (every worker container restarts on its node, pods and volumes kept; a pod whose "

@@ -93,6 +93,7 @@ def build_crd() -> dict[str, Any]:
         ("Step", "integer", ".status.step", "Last step reported by the trainer"),
         ("Checkpoint", "integer", ".status.latestCheckpoint.step", "Latest committed checkpoint step"),
         ("Restarts", "integer", ".status.restarts", "Automatic restarts so far"),
+        ("InPlace", "integer", ".status.inPlaceRestarts", "Of the restarts, those done in place (same pods)"),
         ("Goodput", "number", ".status.goodput.ratio", "Productive share of the job's wall time"),
         ("Age", "date", ".metadata.creationTimestamp", None),
     ]

@@ -43,6 +43,7 @@ from prometheus_client.metrics_core import Metric
 from prometheus_client.registry import Collector
 
 from . import api
+from .api import RECREATE
 from .status import decided_failure, failure_identity, parse_time
 
 log = logging.getLogger("tpujob.metrics")
@@ -125,9 +126,9 @@ class OperatorMetrics:
         self._expiring: dict[tuple[str, str], float] = {}  # ended job -> when its counters go
         self.restarts = Counter(
             "tpujob_restarts_total",
-            "Restarts of TrainingJobs decided by this operator process, by failure kind and whether the restart "
-            "counted against spec.restart.maxRestarts.",
-            [*JOB_LABELS, "kind", "counted"],
+            "Restarts of TrainingJobs decided by this operator process, by failure kind, whether the restart "
+            "counted against spec.restart.maxRestarts, and the rung of the restart ladder it took (InPlace, Recreate).",
+            [*JOB_LABELS, "kind", "counted", "rung"],
             registry=registry,
         )
         self.lost_steps = Counter(
@@ -145,9 +146,9 @@ class OperatorMetrics:
         )
         self.recovery = Histogram(
             "tpujob_recovery_seconds",
-            "Failure to the first step trained by the replacement attempt (status.lastFailure.recoverySeconds), "
-            "by failure kind.",
-            ["kind"],
+            "Failure to the first step trained after the restart (status.lastFailure.recoverySeconds), by failure "
+            "kind and the rung of the restart ladder (InPlace: restarted workers; Recreate: a new JobSet).",
+            ["kind", "rung"],
             buckets=RECOVERY_BUCKETS,
             registry=registry,
         )
@@ -173,7 +174,10 @@ class OperatorMetrics:
         if after.restarts > before.restarts:
             kind = failure.kind if failure is not None else "Unknown"
             counted = failure.counted if failure is not None else after.counted_restarts > before.counted_restarts
-            self.restarts.labels(namespace, name, kind, str(counted).lower()).inc(after.restarts - before.restarts)
+            rung = (failure.rung if failure is not None else None) or RECREATE
+            self.restarts.labels(namespace, name, kind, str(counted).lower(), rung).inc(
+                after.restarts - before.restarts
+            )
         lost = self.lost_steps.labels(namespace, name)  # present (0) for every job seen, so increase() sees the first
         if after.lost_steps > before.lost_steps:
             lost.inc(after.lost_steps - before.lost_steps)
@@ -181,7 +185,7 @@ class OperatorMetrics:
             self.failure_detection.labels(failure.kind).observe(seconds)
         recovery = first_recovery(before, after)
         if recovery is not None and after.last_failure is not None:
-            self.recovery.labels(after.last_failure.kind).observe(recovery)
+            self.recovery.labels(after.last_failure.kind, after.last_failure.rung or RECREATE).observe(recovery)
         checkpoint = after.latest_checkpoint
         with self._lock:
             self._expiring.pop(key, None)

@@ -19,6 +19,7 @@ from tpujob_contract import STORAGE_DENIED_PREFIX, ExitCode
 
 from . import frameworks, goodput
 from .api import (
+    RECREATE,
     FailureEvidence,
     FailureRecord,
     FailureTimeline,
@@ -586,7 +587,7 @@ def _after_failure(
     actions: Actions,
     current: JobSetFacts,
     failure: Failure,
-    rung: RestartStrategy = "Recreate",
+    rung: RestartStrategy = RECREATE,
     counted: bool | None = None,
     rounds: int = 1,
 ) -> tuple[TrainingJobStatus, Actions]:
@@ -703,7 +704,7 @@ def _in_place(
         if (wait := node_verdict_wait(current, failure, observed.nodes, now)) is not None:
             actions.requeue_after = wait
             return status, actions
-        climb: RestartStrategy = "Recreate" if current.in_place_round > rung.max_restarts else "InPlace"
+        climb: RestartStrategy = RECREATE if current.in_place_round > rung.max_restarts else "InPlace"
         rounds = current.in_place_round - status.in_place_round
         return _after_failure(tj, status, observed, actions, current, failure, climb, rounds=rounds)
     _with_restored_step(status, observed)
