@@ -50,7 +50,15 @@ def test_chart_crd_is_the_generated_one():
     assert (CHART / "crds" / "trainingjob.yaml").read_text() == generated
 
 
-NAMESPACED_RESOURCES = {"trainingjobs", "trainingjobs/status", "jobsets", "pods", "events"}
+NAMESPACED_RESOURCES = {
+    "trainingjobs",
+    "trainingjobs/status",
+    "jobsets",
+    "pods",
+    "events",
+    "rolebindings",
+    "clusterroles",
+}
 
 
 def _named(docs: list[dict[str, Any]], kind: str, name: str) -> dict[str, Any]:
@@ -69,6 +77,25 @@ def test_cluster_role_is_least_privilege():
     assert pod_rule["verbs"] == ["list", "watch", "deletecollection"]
     node_rule = next(rule for rule in role["rules"] if rule["resources"] == ["nodes"])
     assert node_rule["verbs"] == ["get", "list", "watch"]  # read only: whose failure it was
+    # RoleBindings it creates, and only to the in-place restart agent's role: no other role can be granted.
+    bind = next(rule for rule in role["rules"] if rule["resources"] == ["clusterroles"])
+    assert (bind["verbs"], bind["resourceNames"]) == (["bind"], ["tpujob-in-place-restart-agent"])
+    bindings = next(rule for rule in role["rules"] if rule["resources"] == ["rolebindings"])
+    assert bindings["verbs"] == ["create"]
+
+
+def test_the_in_place_restart_agent_reads_jobsets_and_patches_pods_only():
+    docs = render()
+    agent = _named(docs, "ClusterRole", "tpujob-in-place-restart-agent")
+    assert {(r, v) for rule in agent["rules"] for r in rule["resources"] for v in rule["verbs"]} == {
+        ("jobsets", "get"),
+        ("jobsets", "list"),
+        ("jobsets", "watch"),
+        ("pods", "patch"),
+    }
+    [deployment] = [d for d in docs if d["kind"] == "Deployment"]
+    args = deployment["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert "--in-place-agent-cluster-role=tpujob-in-place-restart-agent" in args
 
 
 def test_node_leases_are_only_read_one_by_one():
@@ -118,7 +145,8 @@ def test_user_roles_aggregate_into_the_built_in_ones():
     assert all(set(r["verbs"]) <= {"get", "list", "watch"} for r in view["rules"])
     plain = _named(render("userRoles.aggregate=false"), "ClusterRole", "tpujob-edit")
     assert not any(k.startswith("rbac.authorization.k8s.io/aggregate") for k in plain["metadata"]["labels"])
-    assert [d["metadata"]["name"] for d in render("userRoles.create=false") if d["kind"] == "ClusterRole"] == ["tpujob"]
+    without = [d["metadata"]["name"] for d in render("userRoles.create=false") if d["kind"] == "ClusterRole"]
+    assert without == ["tpujob", "tpujob-in-place-restart-agent"]
 
 
 def test_policy_values_reach_the_operator_and_the_admission_policy_alike():

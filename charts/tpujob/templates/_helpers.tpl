@@ -39,3 +39,8 @@ app.kubernetes.io/instance: {{ .Release.Name }}
 {{- end -}}
 {{- join " " $out -}}
 {{- end -}}
+
+{{/* The ClusterRole of JobSet's in-place restart agent (rbac.yaml), passed to the operator. */}}
+{{- define "tpujob.inPlaceAgentRole" -}}
+{{ include "tpujob.fullname" . }}-in-place-restart-agent
+{{- end }}

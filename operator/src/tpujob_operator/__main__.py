@@ -15,6 +15,7 @@ import os
 import kopf
 
 from . import handlers, leader, policy, runtime
+from .apply import IN_PLACE_AGENT_ROLE
 from .kube import load_config
 from .metrics import DEFAULT_PORT, OperatorMetrics, process_registry
 
@@ -40,6 +41,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--default-queue-name",
         default=os.environ.get("TPUJOB_DEFAULT_QUEUE_NAME") or None,
         help="Kueue LocalQueue for TrainingJobs without the kueue.x-k8s.io/queue-name label (default: none)",
+    )
+    parser.add_argument(
+        "--in-place-agent-cluster-role",
+        default=IN_PLACE_AGENT_ROLE,
+        help="ClusterRole bound to the worker pods' ServiceAccount for spec.restart.strategy InPlace (JobSet's "
+        f"in-place restart agent reads its JobSet and annotates its pod; default {IN_PLACE_AGENT_ROLE})",
     )
     scale = parser.add_argument_group("scale (see the README's 'Operator at fleet scale')")
     scale.add_argument(
@@ -91,6 +98,7 @@ def runtime_settings(args: argparse.Namespace) -> runtime.RuntimeSettings:
         max_concurrent_reconciles=args.max_concurrent_reconciles,
         progress_check_seconds=args.progress_check_seconds,
         watch_kueue_workloads=args.watch_kueue_workloads,
+        in_place_agent_role=args.in_place_agent_cluster_role,
     )
 
 

@@ -27,6 +27,9 @@ from .status import parse_time
 log = logging.getLogger("tpujob")
 # Status that differs only in the goodput ledger's clock is written at most this often.
 GOODPUT_WRITE_SECONDS = 60.0
+# What an InPlace attempt's pods may do (read their JobSet, annotate their pod): a ClusterRole the chart
+# installs, bound by the operator to the pods' ServiceAccount in the job's namespace.
+IN_PLACE_AGENT_ROLE = "tpujob-in-place-restart-agent"
 
 
 def changes_the_world(actions: Actions) -> bool:
@@ -67,9 +70,12 @@ class Applier:
     """The API calls of a decision; the runtime makes them in the order `Actions` names (status
     first, on the version the decision was made from)."""
 
-    def __init__(self, cluster: Callable[[], Cluster], on_gone: Callable[[], None]) -> None:
+    def __init__(
+        self, cluster: Callable[[], Cluster], on_gone: Callable[[], None], agent_role: str = IN_PLACE_AGENT_ROLE
+    ) -> None:
         self.cluster = cluster
         self.on_gone = on_gone  # a status write answered 404: the job is gone, perhaps in a watch gap
+        self.agent_role = agent_role  # the ClusterRole JobSet's in-place restart agent needs (the chart's)
 
     def status(
         self, job: JobMemory, body: dict[str, Any], decided: api.TrainingJobStatus, acting: bool
@@ -113,6 +119,8 @@ class Applier:
         manifest = build_jobset(tj, attempt, resume, queue)
         name = manifest["metadata"]["name"]
         existing = False
+        if tj.spec.restart.strategy == "InPlace" and not self._agent_may_run(job, tj):
+            return
         try:
             created = kube.create_jobset(tj.namespace, manifest)
             if created is None:  # one of that name exists: ours only if it carries this job's uid
@@ -133,6 +141,19 @@ class Applier:
             log.info("JobSet %s already exists (adopted: it carries this job's uid)", name)
         if created is not None:
             job.created[name] = slim_jobset(created)
+
+    def _agent_may_run(self, job: JobMemory, tj: api.TrainingJob) -> bool:
+        """Bind the pods' ServiceAccount to the agent's ClusterRole; a refusal is remembered as the JobSet's."""
+        account = tj.spec.service_account_name or "default"
+        try:
+            self.cluster().ensure_role_binding(tj.namespace, f"{self.agent_role}-{account}", self.agent_role, account)
+        except ApiException as error:
+            if error.status is None or error.status >= 500 or error.status == 429:
+                raise
+            why = f"binding ServiceAccount {account} to ClusterRole {self.agent_role} (JobSet's in-place restart agent)"
+            job.refused = CreationRefused(f"{why}: {refusal_message(error)}", error.status)
+            return False
+        return True
 
     def post_event(self, body: dict[str, Any], event: Event) -> None:
         """Events are told, never required: one that cannot be posted (a namespace being deleted, an

@@ -66,10 +66,15 @@ class Cluster:
     ) -> dict[str, Any]:
         """A core/v1 call through the generic client, its JSON answer as a dict. Not client.CoreV1Api:
         that module alone is about 20 MB of the operator's memory, for the three calls made here."""
+        return self._call(method, f"/api/v1/{path}", query, body)
+
+    def _call(
+        self, method: str, path: str, query: list[tuple[str, Any]] | None = None, body: Any = None
+    ) -> dict[str, Any]:
         api_client = self.custom.api_client
         headers = {"Accept": "application/json"} | ({"Content-Type": "application/json"} if body is not None else {})
         request = api_client.param_serialize(
-            method, f"/api/v1/{path}", query_params=query or [], header_params=headers, body=body,
+            method, path, query_params=query or [], header_params=headers, body=body,
             auth_settings=["BearerToken"],
         )  # fmt: skip
         response = api_client.call_api(*request, _request_timeout=REQUEST_TIMEOUT_SECONDS)
@@ -193,6 +198,22 @@ class Cluster:
             if error.status == 409:
                 return None
             raise
+
+    def ensure_role_binding(self, namespace: str, name: str, cluster_role: str, service_account: str) -> None:
+        """Bind `service_account` to `cluster_role` in `namespace` (RoleBinding `name`), unless one of
+        that name exists. Raises ApiException when the operator may not (403: no `bind` on the role)."""
+        body = {
+            "apiVersion": "rbac.authorization.k8s.io/v1",
+            "kind": "RoleBinding",
+            "metadata": {"name": name, "labels": {"app.kubernetes.io/managed-by": "tpujob"}},
+            "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole", "name": cluster_role},
+            "subjects": [{"kind": "ServiceAccount", "name": service_account, "namespace": namespace}],
+        }
+        try:
+            self._call("POST", f"/apis/rbac.authorization.k8s.io/v1/namespaces/{namespace}/rolebindings", body=body)
+        except ApiException as error:
+            if error.status != 409:
+                raise
 
     def get_jobset(self, namespace: str, name: str) -> dict[str, Any] | None:
         try:

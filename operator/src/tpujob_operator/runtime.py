@@ -21,7 +21,7 @@ from prometheus_client import CollectorRegistry
 from pydantic import ValidationError
 
 from . import api, checkpoints, policy
-from .apply import Applier, changes_the_world, is_acting
+from .apply import IN_PLACE_AGENT_ROLE, Applier, changes_the_world, is_acting
 from .facts import Actions, Event
 from .jobset import jobset_facts
 from .kube import Cluster, Conflict, load_config
@@ -62,6 +62,7 @@ class RuntimeSettings:
     max_concurrent_reconciles: int = 8  # the jobs' own checks reconciled at once (schedule.py)
     progress_check_seconds: float = PROGRESS_CHECK_SECONDS
     watch_kueue_workloads: bool = False  # Kueue's Workloads in a watch-fed index (handlers.py)
+    in_place_agent_role: str = IN_PLACE_AGENT_ROLE  # bound to InPlace jobs' pods (apply.py)
 
 
 class Runtime:
@@ -87,7 +88,9 @@ class Runtime:
             check_seconds=settings.progress_check_seconds,
             default_queue=settings.default_queue,
         )
-        self.applier = Applier(self.cluster, on_gone=lambda: self.resync.request("404"))
+        self.applier = Applier(
+            self.cluster, on_gone=lambda: self.resync.request("404"), agent_role=settings.in_place_agent_role
+        )
 
     # -- clients -----------------------------------------------------------------------------------
 
