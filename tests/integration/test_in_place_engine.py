@@ -232,10 +232,9 @@ def test_jobset_restarts_every_pod_in_place_with_the_real_agent(cluster: DevClus
         # The second run found the first run's marker: the emptyDir outlived the container.
         assert f"second run, marker: first run of {slice_name}" in log, log[-2000:]
     assert not worker_processes(), "a worker outlived its agent"
-    # The pods go, and their volumes with them.
-    custom.delete_namespaced_custom_object(
-        JOBSET_GROUP, JOBSET_VERSION, namespace, "jobsets", name, propagation_policy="Foreground"
-    )
+    # The pods go, and their volumes with them. (The pods themselves, not the JobSet: the garbage
+    # collector maps a new CRD's kind only at its next discovery pass, up to 30 s.)
+    core.delete_collection_namespaced_pod(namespace, label_selector=selector)
     eventually(lambda: not pods(), 30, "the pods deleted")
     eventually(lambda: not tmpfs_mounts(cluster.state_dir / "pods" / namespace), 10, "the tmpfs volumes unmounted")
     assert not any(v.exists() for v in volumes)
