@@ -53,6 +53,7 @@ _MAXTEXT_REFUSED: list[tuple[str, dict[str, Any], str]] = [
     ("base_output_directory in args", {"args": ["base_output_directory=gs://x/y"]}, "spec.args"),
     ("env override of a flag", {"env": [{"name": "M_RUN_NAME", "value": "x"}]}, "spec.env"),
     ("XPK variable in env", {"env": [{"name": "JAX_COORDINATOR_ADDRESS", "value": "x"}]}, "spec.env"),
+    ("local tier", {"checkpoint": {**_BKT, "local": {"sizeLimit": "1Gi"}}}, "spec.checkpoint.local"),
 ]
 
 
@@ -68,6 +69,18 @@ INVALID = [
     ("zero interval steps", "spec.checkpoint.intervalSteps", 0, "spec.checkpoint.intervalSteps"),
     ("interval policy without intervalSteps", "spec.checkpoint.policy", "interval", "spec.checkpoint.intervalSteps"),
     ("unknown policy", "spec.checkpoint.policy", "sometimes", "spec.checkpoint.policy"),
+    # Issue 19: the restart ladder and the local tier.
+    ("unknown restart strategy", "spec.restart.strategy", "Reboot", "spec.restart.strategy"),
+    ("negative in-place restarts", "spec.restart.inPlace.maxRestarts", -1, "spec.restart.inPlace.maxRestarts"),
+    ("local tier without a size", "spec.checkpoint.local", {"intervalSteps": 5}, "spec.checkpoint.local.sizeLimit"),
+    ("local tier of no size", "spec.checkpoint.local", {"sizeLimit": "0"}, "spec.checkpoint.local.sizeLimit"),
+    ("local tier sized in words", "spec.checkpoint.local", {"sizeLimit": "lots"}, "spec.checkpoint.local.sizeLimit"),
+    (
+        "zero local interval",
+        "spec.checkpoint.local",
+        {"sizeLimit": "1Gi", "intervalSteps": 0},
+        "spec.checkpoint.local.intervalSteps",
+    ),
     # Issue 13: the adaptive policy's settings, only with that policy, within bounds.
     ("budget with continuous", "spec.checkpoint.overheadBudgetPercent", 5, "spec.checkpoint.overheadBudgetPercent"),
     ("max interval with continuous", "spec.checkpoint.maxIntervalSeconds", 60, "spec.checkpoint.maxIntervalSeconds"),

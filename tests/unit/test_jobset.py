@@ -7,6 +7,7 @@ import shlex
 from pathlib import Path
 
 import pytest
+import tpujob_contract as contract
 import yaml
 from pydantic import ValidationError
 from tpujob_contract import ExitCode
@@ -40,6 +41,7 @@ CASES = {
         topology="2x2x2",
         slices=2,
         restart={"strategy": "InPlace", "inPlace": {"maxRestarts": 5}},
+        checkpoint={"directory": "gs://acme-ckpt/runs", "local": {"sizeLimit": "64Gi", "intervalSteps": 5}},
     ),
 }
 
@@ -201,3 +203,25 @@ def test_the_tpujob_frameworks_entrypoint_is_the_trainer_images():
     dockerfile = (Path(__file__).parents[2] / "trainer_image" / "Dockerfile").read_text()
     (line,) = [line for line in dockerfile.splitlines() if line.startswith("ENTRYPOINT")]
     assert tuple(json.loads(line.removeprefix("ENTRYPOINT"))) == frameworks.adapter("tpujob").entrypoint
+
+
+def test_the_local_tier_is_a_memory_backed_volume_the_trainer_is_pointed_at():
+    checkpoint = {"directory": "gs://acme-ckpt/runs", "local": {"sizeLimit": "64Gi"}}
+    manifest = build_jobset(training_job(checkpoint=checkpoint), attempt=0, resume_step=None)
+    pod = manifest["spec"]["replicatedJobs"][0]["template"]["spec"]["template"]["spec"]
+    [volume] = pod["volumes"]
+    assert volume["emptyDir"] == {"medium": "Memory", "sizeLimit": "64Gi"}  # lives as long as the pod
+    [mount] = pod["containers"][0]["volumeMounts"]
+    env = {e["name"]: e.get("value") for e in pod["containers"][0]["env"]}
+    assert mount["name"] == volume["name"]
+    assert env["TPUJOB_LOCAL_CHECKPOINT_DIR"] == mount["mountPath"]
+    assert env["TPUJOB_LOCAL_CHECKPOINT_INTERVAL_STEPS"] == str(contract.DEFAULT_LOCAL_INTERVAL_STEPS)
+    plain = build_jobset(training_job(), attempt=0, resume_step=None)
+    plain_pod = plain["spec"]["replicatedJobs"][0]["template"]["spec"]["template"]["spec"]
+    assert "volumes" not in plain_pod and "TPUJOB_LOCAL_CHECKPOINT_DIR" not in str(plain_pod)
+
+
+@pytest.mark.parametrize("size", ["0", "-1Gi", "lots", ""])
+def test_a_local_tier_needs_a_positive_size(size):
+    with pytest.raises(ValidationError, match=r"spec\.checkpoint\.local\.sizeLimit"):
+        training_job(checkpoint={"directory": "gs://acme-ckpt/runs", "local": {"sizeLimit": size}})

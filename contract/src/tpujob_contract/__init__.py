@@ -74,6 +74,8 @@ COMPILATION_CACHE_ENV: Final = "TPUJOB_COMPILATION_CACHE_DIR"
 # does not set them today; whoever wires spec -> env moves them there.
 LOCAL_CHECKPOINT_DIR_ENV: Final = "TPUJOB_LOCAL_CHECKPOINT_DIR"
 LOCAL_CHECKPOINT_INTERVAL_STEPS_ENV: Final = "TPUJOB_LOCAL_CHECKPOINT_INTERVAL_STEPS"
+DEFAULT_LOCAL_INTERVAL_STEPS: Final = 10  # spec.checkpoint.local.intervalSteps' default
+LOCAL_CHECKPOINT_MOUNT: Final = "/tpujob/local-checkpoints"  # where the operator mounts the emptyDir
 
 
 @dataclass(frozen=True)

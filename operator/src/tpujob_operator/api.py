@@ -151,6 +151,7 @@ DNS_SUBDOMAIN_MESSAGE = (
 TPU_RESOURCE_MESSAGE = (
     f"spec.resources.{{field}} must not set {contract.TPU_RESOURCE}: the operator requests the slice's TPU chips itself"
 )
+LOCAL_SIZE_MESSAGE = "spec.checkpoint.local.sizeLimit must be a positive Kubernetes quantity (e.g. 64Gi)"
 QUANTITY_MESSAGE = "spec.resources.{field} values must be non-negative Kubernetes quantities (e.g. 4, 500m, 16Gi, 1.5)"
 # The apiserver names a map value's key in its path (spec.resources.requests[cpu]); so does the model.
 QUANTITY_KEY_MESSAGE = "spec.resources.{field}[{key}]: " + QUANTITY_MESSAGE
@@ -445,6 +446,36 @@ class KeepSpec(ApiModel):
     )
 
 
+class LocalCheckpointSpec(ApiModel):
+    """The local tier: each worker also saves to a memory-backed emptyDir on its node, which outlives an
+    in-place restart (spec.restart.strategy InPlace) but not the pod; GCS stays the persistent tier."""
+
+    interval_steps: int = Field(
+        default=contract.DEFAULT_LOCAL_INTERVAL_STEPS,
+        ge=1,
+        le=MAX_STEPS,
+        description="Steps between local saves (each save starts when the last one finished, at most this often).",
+    )
+    size_limit: Quantity = Field(
+        description=(
+            "sizeLimit of the memory-backed emptyDir (e.g. 64Gi): the checkpoint state of one host, two steps "
+            "of it while a save replaces the last; it counts against the node's memory."
+        ),
+        json_schema_extra={
+            "x-kubernetes-validations": [
+                cel("isQuantity(self) && quantity(self).isGreaterThan(quantity('0'))", LOCAL_SIZE_MESSAGE)
+            ]
+        },
+    )
+
+    @field_validator("size_limit")
+    @classmethod
+    def _positive_quantity(cls, value: str) -> str:
+        if not is_quantity(value) or quantity_value(value) <= 0:
+            raise ValueError(LOCAL_SIZE_MESSAGE)
+        return value
+
+
 class CheckpointSpec(ApiModel):
     model_config = ConfigDict(
         json_schema_extra={
@@ -527,6 +558,10 @@ class CheckpointSpec(ApiModel):
         default=contract.DEFAULT_ASYNC_SAVE,
         alias="async",
         description="Save asynchronously (training continues while the save is written).",
+    )
+    local: LocalCheckpointSpec | None = Field(
+        default=None,
+        description="A local tier in node memory, restored first after an in-place restart (absent: GCS only).",
     )
     keep: KeepSpec = Field(
         default_factory=KeepSpec,

@@ -33,7 +33,7 @@ from tpujob_contract import (
 )
 
 from . import frameworks
-from .api import GROUP, KIND, VERSION, RestartSpec, TrainingJob
+from .api import GROUP, KIND, VERSION, LocalCheckpointSpec, RestartSpec, TrainingJob
 from .cadence import job_mtbf
 from .facts import JobSetFacts, JobSetState, PodFacts
 from .restarts import NOT_RESTARTED_EXIT_CODES
@@ -228,6 +228,8 @@ def build_jobset(tj: TrainingJob, attempt: int, resume_step: int | None, queue: 
         pod_spec["serviceAccountName"] = tj.spec.service_account_name
     if tj.spec.priority_class_name:
         pod_spec["priorityClassName"] = tj.spec.priority_class_name
+    if ckpt_local := tj.spec.checkpoint.local:
+        _with_local_tier(ckpt_local, container, pod_spec)
     job_spec: dict[str, Any] = {
         "parallelism": shape.hosts,
         "completions": shape.hosts,
@@ -270,6 +272,21 @@ def build_jobset(tj: TrainingJob, attempt: int, resume_step: int | None, queue: 
             ],
         },
     }
+
+
+LOCAL_TIER_VOLUME = "local-checkpoints"
+
+
+def _with_local_tier(local: LocalCheckpointSpec, container: dict[str, Any], pod_spec: dict[str, Any]) -> None:
+    """The trainer's local tier: a memory-backed emptyDir, which lives as long as the pod (through
+    in-place restarts), and the env that points the trainer at it."""
+    pod_spec["volumes"] = [{"name": LOCAL_TIER_VOLUME, "emptyDir": {"medium": "Memory", "sizeLimit": local.size_limit}}]
+    container["volumeMounts"] = [{"name": LOCAL_TIER_VOLUME, "mountPath": contract.LOCAL_CHECKPOINT_MOUNT}]
+    container["env"] = [
+        *container["env"],
+        _env(contract.LOCAL_CHECKPOINT_DIR_ENV, contract.LOCAL_CHECKPOINT_MOUNT),
+        _env(contract.LOCAL_CHECKPOINT_INTERVAL_STEPS_ENV, local.interval_steps),
+    ]
 
 
 def _in_place(
