@@ -21,6 +21,10 @@ from the same baseline of steps with no save in flight; saves then begin):
 Policies: none, none_async (no per-step wait: what timing every step costs), continuous,
 continuous_min:<s>, fixed:<steps>, adaptive:<budget %> (budget bound alone) and
 adaptive_mtbf:<budget %> (also told --mtbf, as the operator does: Young/Daly can bind).
+Any policy plus `+local:<steps>` also saves to the local tier (tpujob_trainer.local_tier, on a
+tmpfs-like local directory) every <steps> steps, as the trainer does: compare
+`local_overhead_points` (seconds per step against the same policy without it, in points of the
+`none` run's step time) side by side, e.g. --policies none,continuous,continuous+local:10.
 
     python bench/checkpoint_policies.py [--model tiny --steps 3000 --sweep 10,20,50,100,200,500,1000 --mtbf 120]
 """
@@ -93,8 +97,17 @@ def _run_policy(args: argparse.Namespace, spec: str, root: Path) -> dict[str, An
          "--seq-len", str(args.seq_len)], {},
     ).train  # fmt: skip
     trainer = Trainer(cfg, make_mesh(1))
+    spec, _, local_every = spec.partition("+local:")
     ckpt = _checkpoint_config(spec, args.mtbf)
-    name = spec.replace(":", "-").replace(".", "_")
+    name = spec.replace(":", "-").replace(".", "_") + (f"-local{local_every}" if local_every else "")
+    local = None
+    if local_every:
+        from tpujob_trainer.config import LocalTierConfig
+        from tpujob_trainer.local_tier import LocalTier
+
+        local_dir = Path(os.environ.get("TPUJOB_BENCH_LOCAL_DIR") or root.parent / "local") / name
+        local = LocalTier(LocalTierConfig(str(local_dir), int(local_every)), f"gs://{BUCKET}/{name}", "bench")
+    local_blocked_s, local_saves = 0.0, 0
     mngr, cadence = None, None
     meter = SaveCostMeter()
     if ckpt is not None:
@@ -136,12 +149,22 @@ def _run_policy(args: argparse.Namespace, spec: str, root: Path) -> dict[str, An
         if mngr.save(step, args=ocp.args.StandardSave(state)):
             starts[step] = called
             (cadence or meter).saved(time.perf_counter() - blocked_from)
+        if local:
+            blocked_from = time.perf_counter()
+            if local.save(step, state):
+                local_saves += 1
+                local_blocked_s += time.perf_counter() - blocked_from
     float(loss.addressable_data(0))
     loop_s = time.perf_counter() - measured_from
     if mngr:
         mngr.wait_until_finished()
         mngr.close()
+    if local:
+        local.close()
     result = _summarise(spec, step_times, loop_s, starts, root / BUCKET / name / contract.CHECKPOINTS_DIR)
+    if local:
+        result |= {"policy": f"{spec}+local:{local_every}", "local_saves": local_saves,
+                   "local_blocked_s": local_blocked_s}  # fmt: skip
     if mngr:
         result |= {"overhead": meter.overhead, "save_cost_s": meter.cost_s, "extra_s": meter.extra_s}
     if cadence:
@@ -244,6 +267,10 @@ def main() -> None:
         if base:
             r["overhead_vs_none"] = r["seconds_per_step"] / base["seconds_per_step"] - 1
         _waste(r, args.mtbf, args.restart_cost)
+        gcs_alone = next((g for g in results if g["policy"] == r["policy"].partition("+local:")[0]), None)
+        if base and gcs_alone and "+local:" in r["policy"]:
+            extra = r["seconds_per_step"] - gcs_alone["seconds_per_step"]
+            r["local_overhead_points"] = 100 * extra / base["seconds_per_step"]
     print(
         json.dumps(
             {
