@@ -58,7 +58,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DevCluster]:
         devcluster.stop()
 
 
-def eventually(probe: Callable[[], T], timeout: float, what: str, interval: float = 0.2) -> T:
+def eventually(probe: Callable[[], T | None], timeout: float, what: str, interval: float = 0.2) -> T:
     deadline = time.monotonic() + timeout
     last = probe()
     while not last and time.monotonic() < deadline:
@@ -71,13 +71,15 @@ def eventually(probe: Callable[[], T], timeout: float, what: str, interval: floa
 def agent_rbac(rbac: client.RbacAuthorizationV1Api, core: client.CoreV1Api, namespace: str) -> str:
     """What the agent needs: watch its JobSet, server-side apply its own pod's annotation."""
     name = "in-place-restart-agent"
-    core.create_namespaced_service_account(namespace, {"metadata": {"name": name}})
+    account: Any = {"metadata": {"name": name}}
+    core.create_namespaced_service_account(namespace, account)
     rules = [
         {"apiGroups": [JOBSET_GROUP], "resources": ["jobsets"], "verbs": ["get", "list", "watch"]},
         {"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "patch"]},
     ]
-    rbac.create_namespaced_role(namespace, {"metadata": {"name": name}, "rules": rules})
-    binding = {
+    role: Any = {"metadata": {"name": name}, "rules": rules}
+    rbac.create_namespaced_role(namespace, role)
+    binding: Any = {
         "metadata": {"name": name},
         "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": name},
         "subjects": [{"kind": "ServiceAccount", "name": name, "namespace": namespace}],
@@ -174,7 +176,8 @@ def test_jobset_restarts_every_pod_in_place_with_the_real_agent(cluster: DevClus
     api = config.new_client_from_config(str(cluster.kubeconfig))
     core, custom, rbac = client.CoreV1Api(api), client.CustomObjectsApi(api), client.RbacAuthorizationV1Api(api)
     namespace, name = f"in-place-{shape}", "ipr"
-    core.create_namespace({"metadata": {"name": namespace}})
+    namespace_body: Any = {"metadata": {"name": namespace}}
+    core.create_namespace(namespace_body)
     eventually(lambda: _default_account(core, namespace), 30, "the namespace's default ServiceAccount")
     account = agent_rbac(rbac, core, namespace)
     custom.create_namespaced_custom_object(
@@ -186,13 +189,14 @@ def test_jobset_restarts_every_pod_in_place_with_the_real_agent(cluster: DevClus
         return list(core.list_namespaced_pod(namespace, label_selector=selector).items)
 
     def jobset() -> dict[str, Any]:
-        return dict(custom.get_namespaced_custom_object(JOBSET_GROUP, JOBSET_VERSION, namespace, "jobsets", name))
+        found: Any = custom.get_namespaced_custom_object(JOBSET_GROUP, JOBSET_VERSION, namespace, "jobsets", name)
+        return dict(found)
 
-    running = eventually(
-        lambda: (found := pods()) and len(found) == 2 and all(p.status.phase == "Running" for p in found) and found,
-        30,
-        "both pods Running",
-    )
+    def both_running() -> list[Any]:
+        found = pods()
+        return found if len(found) == 2 and all(p.status.phase == "Running" for p in found) else []
+
+    running = eventually(both_running, 30, "both pods Running")
     uids = {p.metadata.name: p.metadata.uid for p in running}
     ips = {p.metadata.name: p.status.pod_ip for p in running}
     created = running[0].spec.containers[0]

@@ -854,7 +854,8 @@ class PodRunner:
         # Force-deleted in the API, or its node is gone (a lost VM): the process dies without a word.
         for uid in [u for u in self.pods if u not in seen]:
             running = self.pods.pop(uid)
-            running.vanished = True
+            with running.lock:
+                running.vanished = True
             running.wake.set()
             self._signal(running, signal.SIGKILL)
             if running.finished:  # no exit is left to wait for: its volumes go now
@@ -878,7 +879,8 @@ class PodRunner:
 
     def stop_all(self) -> None:
         for running in list(self.pods.values()):
-            running.vanished = True  # no container starts again
+            with running.lock:  # no container starts again (a restart spawns under this lock)
+                running.vanished = True
             running.wake.set()
             self._signal(running, signal.SIGKILL)
             running.process.wait()
