@@ -26,6 +26,7 @@ from tpujob_devcluster.podrunner import (
     pod_status,
     quantity_bytes,
     restart_backoff,
+    restarts_in_place,
 )
 
 RULES = [
@@ -73,6 +74,13 @@ def test_the_first_matching_rule_wins_and_a_rule_needs_exit_codes():
     assert matching_restart_rule(container, 42) == RULES[0]
     assert matching_restart_rule(container, 5) == RULES[1]
     assert matching_restart_rule(container, 0) is None
+
+
+def test_the_runner_restarts_on_failure_pods_and_containers_with_a_policy_not_deployments():
+    assert restarts_in_place({"restartPolicy": "OnFailure"}, {"name": "c"})
+    assert restarts_in_place({"restartPolicy": "Never"}, {"name": "c", "restartPolicy": "Never"})
+    assert not restarts_in_place({"restartPolicy": "Never"}, {"name": "c"})  # every TrainingJob pod today
+    assert not restarts_in_place({"restartPolicy": "Always"}, {"name": "c"})  # the operator's Deployment
 
 
 def test_only_pods_with_a_restart_all_rule_carry_the_condition():

@@ -15,7 +15,8 @@ A pod bound to one of the devcluster's nodes runs as a local process:
   the real exit code (128+signal when killed); deleting the pod sends SIGTERM, then SIGKILL after
   the grace period, as kubelet does;
 - restarts in place, as the 1.35 kubelet with ContainerRestartRules and
-  RestartAllContainersOnContainerExits: a container that exits is started again in the same pod
+  RestartAllContainersOnContainerExits, for a pod with restartPolicy OnFailure or a container
+  restartPolicy (restarts_in_place): a container that exits is started again in the same pod
   (same uid, address, directory and emptyDir volumes) when its restartPolicyRules or restartPolicy,
   else the pod's restartPolicy, say so (exit_action), after the kubelet's crash-loop back-off
   (restart_backoff); restartCount, lastState.terminated and state.waiting are reported as kubelet
@@ -199,6 +200,15 @@ def exit_action(pod_spec: dict[str, Any], container: dict[str, Any], exit_code: 
     if policy == "Always" or (policy == "OnFailure" and exit_code != 0):
         return RESTART
     return None
+
+
+def restarts_in_place(pod_spec: dict[str, Any], container: dict[str, Any]) -> bool:
+    """Whether the runner restarts this pod's container at all: with restartPolicy OnFailure or a
+    container restartPolicy (JobSet's in-place restart uses one of the two). A pod with restartPolicy
+    Always and no container policy (a Deployment's: the operator's) still ends Failed when its process
+    exits and its ReplicaSet replaces it, as before: the operator's fail-over tests count on a new
+    pod (a kubelet would restart it in place)."""
+    return pod_spec.get("restartPolicy") == "OnFailure" or container.get("restartPolicy") is not None
 
 
 def could_restart_all(pod_spec: dict[str, Any]) -> bool:
@@ -645,7 +655,8 @@ class PodRunner:
                 "finishedAt": now(),
             }
             log.info("%s/%s exited with %d", running.namespace, running.name, exit_code)
-            action = None if running.killed_for_deletion else exit_action(pod["spec"], container, exit_code)
+            in_place = restarts_in_place(pod["spec"], container) and not running.killed_for_deletion
+            action = exit_action(pod["spec"], container, exit_code) if in_place else None
             if running.vanished or action is None:
                 break
             if not self._restart(running, pod, container, action, terminated, finished):
