@@ -117,14 +117,19 @@ def _foreign(directory: Path, newest: int) -> None:
 
 
 @pytest.mark.timeout(240)
-def test_a_missing_half_written_damaged_or_foreign_local_directory_restores_from_gcs(job: Job, tmp_path: Path) -> None:
+def test_a_missing_half_written_damaged_foreign_or_unusable_local_directory_restores_from_gcs(
+    job: Job, tmp_path: Path
+) -> None:
     local = tmp_path / "local"
-    gcs_step, [held] = _kill_ahead_of_gcs(job, job.start(ARGS, GCS_EVERY_10 | _local_env(local)), [local])
+    _, [held] = _kill_ahead_of_gcs(job, job.start(ARGS, GCS_EVERY_10 | _local_env(local)), [local])
     newest = held[-1]
-    for case, spoil in (("missing", None), ("half-written", _half_written), ("damaged", _damaged),
-                        ("foreign", _foreign)):  # fmt: skip
+    # The spoiled copies first, while the local step they hold is still ahead of GCS's latest.
+    for case, spoil in (("half-written", _half_written), ("damaged", _damaged), ("foreign", _foreign),
+                        ("missing", None), ("unusable", None)):  # fmt: skip
         directory = tmp_path / f"local-{case}"
-        if spoil is not None:
+        if case == "unusable":
+            directory.write_text("a file where the directory should be")
+        elif spoil is not None:
             shutil.copytree(local, directory)
             spoil(directory, newest)
         latest = job.committed_steps()[-1]
@@ -133,11 +138,11 @@ def test_a_missing_half_written_damaged_or_foreign_local_directory_restores_from
         resumed = job.start(short, GCS_EVERY_10 | _local_env(directory))
         assert resumed.wait(120) == [0], f"{case}:\n{resumed.output()}"
         assert _restored(job) == ("gcs", latest), f"{case}:\n{resumed.output()}"
-        assert latest < newest
+        assert spoil is None or latest < newest
         why = {"missing": "(agreed: None)", "half-written": "(agreed: None)",
-               "damaged": f"local step {newest} could not be restored here", "foreign": "not this run"}  # fmt: skip
+               "damaged": f"local step {newest} could not be restored here", "foreign": "not this run",
+               "unusable": "local tier: off for this attempt"}  # fmt: skip
         assert why[case] in resumed.output(), f"{case}:\n{resumed.output()}"
-    assert gcs_step <= job.committed_steps()[0]
 
 
 @pytest.mark.timeout(300)

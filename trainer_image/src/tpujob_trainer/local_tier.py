@@ -86,11 +86,19 @@ def _handler(processes: set[int]) -> ocp.PyTreeCheckpointHandler:
     )
 
 
+def _quiet_orbax(record: logging.LogRecord) -> bool:
+    """Orbax warns twice per save without a primary host that it does not log object sizes: noise."""
+    return not str(record.msg).startswith("Global object size logging disabled")
+
+
 class LocalTier:
     """One process's local checkpoint manager (every process opens one, at the same steps)."""
 
     def __init__(self, cfg: LocalTierConfig, run_dir: str, job_uid: str):
         self.cfg = cfg
+        absl_log = logging.getLogger("absl")
+        if _quiet_orbax not in absl_log.filters:
+            absl_log.addFilter(_quiet_orbax)
         processes = set(range(jax.process_count()))
         steps = prepare(cfg.directory, identity(run_dir, job_uid))
         # Removes what a killed attempt left half-written (not committed: never listed anyway).
@@ -121,7 +129,8 @@ class LocalTier:
     def save(self, step: int, state: Any) -> bool:
         """Start an async save if the interval says so (blocking only for the copy off the devices,
         and for a previous local save still in flight)."""
-        if not self.manager.should_save(step):
+        # The interval first: Orbax's own decision costs a little Python on every step.
+        if step % self.cfg.interval_steps or not self.manager.should_save(step):
             return False
         return bool(self.manager.save(step, args=ocp.args.PyTreeSave(state)))
 

@@ -129,6 +129,24 @@ def _open_manager(cfg: Config, notice: PreemptionNotice, status: AttemptProgress
     return CheckpointManager(contract.checkpoints_dir(cfg.run_dir), options, notice)
 
 
+def _open_local(cfg: Config) -> LocalTier | None:
+    """The local tier, on every process or on none (its saves are collective): a directory that one
+    process cannot use costs the job its local tier, not its attempt."""
+    if not (cfg.local_tier and cfg.run_dir):
+        return None
+    local: LocalTier | None = None
+    try:
+        local = LocalTier(cfg.local_tier, cfg.run_dir, cfg.job_uid)
+    except Exception as err:
+        log.warning("local tier: %s unusable (%s)", cfg.local_tier.directory, failures.short_error(err))
+    if checkpointing.agree_all(local is not None):
+        return local
+    log.warning("local tier: off for this attempt (not usable on every process); GCS alone")
+    if local:
+        _close_local(local)
+    return None
+
+
 def _wait_for_storage(cfg: Config) -> None:
     """Probe the run directory until it works, for at most TPUJOB_STORAGE_WAIT_SECONDS (StorageError)."""
     assert cfg.run_dir
@@ -438,7 +456,7 @@ def run(cfg: Config, process_started_at: str | None = None) -> ExitCode:
     status = AttemptProgress(cfg.attempt, cfg.job_uid, process_started_at or contract.now_rfc3339())
     try:
         mngr = _open_manager(cfg, notice, status)
-        local = LocalTier(cfg.local_tier, cfg.run_dir, cfg.job_uid) if mngr and cfg.local_tier and cfg.run_dir else None
+        local = _open_local(cfg) if mngr else None
     except StoragePermissionDenied as err:
         _denied(cfg, err, status)  # no record: storage refuses it too
         return ExitCode.STORAGE_PERMISSION_DENIED
