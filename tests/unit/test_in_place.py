@@ -1,10 +1,12 @@
 """The restart ladder's InPlace rung, decided by the pure reconciler: JobSet restarts the workers in
 place, and the operator records, charges and, when the rung is spent or stalls, climbs to Recreate."""
 
+import dataclasses
 from datetime import UTC, datetime, timedelta
 
-from tpujob_operator.facts import JobSetFacts, Observed, PodFacts
+from tpujob_operator.facts import JobSetFacts, NodeFacts, Observed, PodFacts
 from tpujob_operator.jobset import IN_PLACE_RESTART_EXIT_CODE, jobset_facts
+from tpujob_operator.nodes import awaited_nodes
 from tpujob_operator.reconcile import reconcile
 from tpujob_operator.status import rfc3339_precise
 
@@ -167,3 +169,21 @@ def test_the_decoder_reads_jobsets_rounds_and_leaves_out_the_agents_own_exits():
 
 def _reason(status):
     return next(c.reason for c in status.conditions if c.type == status.phase)
+
+
+def test_an_unrecorded_round_waits_for_word_from_the_kubelets_under_its_pods():
+    """A dead host's pod stays Running while its peers crash on collective errors and restart in place:
+    the round is recorded once every kubelet under its pods was heard from after the failure."""
+    pods = (_crashed(node="n1"), _worker("llama-a0-slice-0-0", 0, node="n0"))
+    assert awaited_nodes(pods, round_unrecorded=True) == {"n0", "n1"}
+    assert awaited_nodes(pods) == set()  # nothing failed and no round pending: no Lease is read
+    silent = {
+        "n0": NodeFacts("n0", ready="True"),
+        "n1": NodeFacts("n1", ready="True", renewed=T0 + timedelta(seconds=1)),
+    }
+    observed = dataclasses.replace(_observed(_jobset(pods=pods)), nodes=silent)
+    status, actions = reconcile(_job(), observed)
+    assert status.restarts == 0 and actions.requeue_after is not None  # n0 has not renewed since the failure
+    heard = {**silent, "n0": NodeFacts("n0", ready="True", renewed=T0 + timedelta(seconds=2))}
+    status, _ = reconcile(_job(), dataclasses.replace(observed, nodes=heard))
+    assert (status.restarts, status.last_failure.kind) == (1, "ApplicationError")

@@ -4,6 +4,8 @@ UPDATE_GOLDEN=1 and review the diff)."""
 import json
 import os
 import shlex
+import signal
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -12,7 +14,7 @@ import yaml
 from pydantic import ValidationError
 from tpujob_contract import ExitCode
 from tpujob_operator import frameworks
-from tpujob_operator.jobset import build_jobset, coordinator_host, jobset_name
+from tpujob_operator.jobset import build_jobset, coordinator_host, jobset_name, worker_command
 from tpujob_operator.tpu import slice_shape
 
 from .factories import training_job
@@ -182,7 +184,7 @@ def test_in_place_wraps_the_images_entrypoint_in_jobsets_agent(framework):
     worker, plain = _worker(in_place), _worker(recreate)
     env = {e["name"]: e.get("value") for e in worker["env"]}
     entrypoint = {"tpujob": ["tpujob-train"], "maxtext": ["python3", "-m", "maxtext.trainers.pre_train.train"]}
-    assert shlex.split(env["WORKER_COMMAND"]) == [*entrypoint[framework], *plain.get("args", [])]
+    assert env["WORKER_COMMAND"] == shlex.join([*entrypoint[framework], *plain.get("args", [])]) + "; exit $?"
     assert worker["command"] == ["in-place-restart-agent"] and "args" not in worker
     assert env["IN_PLACE_RESTART_EXIT_CODE"] == "86"
     # What the agent's worker sees: the same env as a Recreate attempt's worker, nothing left out.
@@ -225,3 +227,11 @@ def test_the_local_tier_is_a_memory_backed_volume_the_trainer_is_pointed_at():
 def test_a_local_tier_needs_a_positive_size(size):
     with pytest.raises(ValidationError, match=r"spec\.checkpoint\.local\.sizeLimit"):
         training_job(checkpoint={"directory": "gs://acme-ckpt/runs", "local": {"sizeLimit": size}})
+
+
+@pytest.mark.parametrize(("killed_by", "code"), [(None, 3), (signal.SIGKILL, 137), (signal.SIGTERM, 143)])
+def test_the_worker_command_exits_as_a_runtime_reports_its_worker(tmp_path, killed_by, code):
+    """What the agent runs, in a real shell: a signalled worker is 128+N (the agent says 255 otherwise)."""
+    worker = ["sh", "-c", f"kill -{killed_by.name.removeprefix('SIG')} $$" if killed_by else "exit 3"]
+    done = subprocess.run(["sh", "-c", worker_command(worker)], cwd=tmp_path, check=False)
+    assert done.returncode == code

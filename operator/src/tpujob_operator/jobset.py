@@ -289,6 +289,13 @@ def _with_local_tier(local: LocalCheckpointSpec, container: dict[str, Any], pod_
     ]
 
 
+def worker_command(argv: list[str]) -> str:
+    """The agent's WORKER_COMMAND (run with `sh -c`). Not a simple command, which the shell would exec:
+    the agent reports a worker killed by a signal as exit 255, the shell (waiting for it) as 128+N,
+    what a container runtime reports and restarts.py classifies."""
+    return f"{shlex.join(argv)}; exit $?"
+
+
 def _in_place(
     tj: TrainingJob,
     container: dict[str, Any],
@@ -309,7 +316,7 @@ def _in_place(
         },
         {"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
         _env("IN_PLACE_RESTART_EXIT_CODE", IN_PLACE_RESTART_EXIT_CODE),
-        _env("WORKER_COMMAND", shlex.join(worker)),
+        _env("WORKER_COMMAND", worker_command(worker)),
     ]
     container["restartPolicy"] = "Never"
     container["restartPolicyRules"] = [

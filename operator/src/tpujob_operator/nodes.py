@@ -187,10 +187,11 @@ def infrastructure_evidence(
     return min(found, key=lambda e: (e.since, e.kind != "NodeLost"), default=None)
 
 
-def awaited_nodes(pods: Iterable[PodFacts]) -> set[str]:
-    """The nodes whose word a failure may wait for: those under pods still running beside a failed one."""
+def awaited_nodes(pods: Iterable[PodFacts], round_unrecorded: bool = False) -> set[str]:
+    """The nodes whose word a failure may wait for: those under pods still running beside a failed one,
+    or under every pod of an in-place restart round not yet recorded (its failed worker runs again)."""
     pods = list(pods)
-    if not any(p.phase == "Failed" for p in pods):
+    if not round_unrecorded and not any(p.phase == "Failed" for p in pods):
         return set()
     return {p.node for p in pods if p.node is not None and p.phase not in ("Succeeded", "Failed")}
 

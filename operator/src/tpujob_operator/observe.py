@@ -324,7 +324,7 @@ class Observer:
             storage_denied=denied and error is not None,
             foreign_pods=len(foreign_running),
             queue_name=queue_name(tj, self.default_queue),
-            nodes=self._node_facts(snapshot, facts),
+            nodes=self._node_facts(snapshot, facts, tj.status.in_place_round),
         )
 
     def _read_storage(
@@ -371,13 +371,17 @@ class Observer:
         bucket, _ = checkpoints.split_gs_path(tj.run_dir)
         return self.reads.read(bucket, what, read, news=self.lane(key) == "news")
 
-    def _node_facts(self, snapshot: Snapshot, jobsets: list[JobSetFacts]) -> dict[str, NodeFacts] | None:
-        """The Nodes under the pods; beside a failed pod, the Lease renewals of the nodes whose pods still
-        run (one GET each, only then: a failure that would count waits for them, nodes.verdict_wait)."""
+    def _node_facts(
+        self, snapshot: Snapshot, jobsets: list[JobSetFacts], recorded_round: int
+    ) -> dict[str, NodeFacts] | None:
+        """The Nodes under the pods; beside a failed pod (or in an in-place restart round status has not
+        recorded), the Lease renewals of the nodes whose pods still run (one GET each, only then: a failure
+        that would count waits for them, nodes.verdict_wait)."""
         if snapshot.nodes is None:
             return None
         found = {name: nodes.node_facts(body) for name, body in snapshot.nodes.items()}
-        for name in set().union(*(nodes.awaited_nodes(js.pods) for js in jobsets)) & found.keys():
+        awaited = (nodes.awaited_nodes(js.pods, js.in_place and js.in_place_round > recorded_round) for js in jobsets)
+        for name in set().union(*awaited) & found.keys():
             found[name] = replace(found[name], renewed=self.cluster().node_lease_renewed(name))
         return found
 

@@ -740,6 +740,7 @@ def _restarting_in_place(
         f"restart on their nodes and resume from {resume}"
     )
     actions.events.append(Event("Normal", "RestartingInPlace", message))
+    actions.fresh_storage = True  # the resume point and the steps lost, from a listing made for this decision
     actions.requeue_after = _until(observed.now, observed.now, rung.recovery_deadline_seconds, STARTUP_CHECK_SECONDS)
     status = with_phase(status, "Restarting", "RestartingInPlace", message, observed.now)
     return _staged(status, "StartingUp", observed.now), actions

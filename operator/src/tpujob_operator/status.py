@@ -89,7 +89,9 @@ def with_observations(status: TrainingJobStatus, observed: Observed) -> Training
             and (trained or progress.state == "succeeded")
             and recovering_record(failure, progress)
         ):
-            seconds = (progress.updated - parse_time(failure.time)).total_seconds()  # type: ignore[operator]
+            # To its first step when the record dates it (the operator may read the record later).
+            first_step = parse_time(progress.first_step_at) if trained else None
+            seconds = ((first_step or progress.updated) - parse_time(failure.time)).total_seconds()  # type: ignore[operator]
             update["last_failure"] = failure.model_copy(update={"recovery_seconds": round(seconds, 1)})
     return status.model_copy(update=update)
 
