@@ -1,0 +1,78 @@
+"""The restart ladder's InPlace rung on the devcluster: JobSet's InPlaceRestart with its real agent, the
+pod runner restarting containers as a 1.35 kubelet does, the trainer's local tier in a memory emptyDir."""
+
+from __future__ import annotations
+
+import os
+import signal
+from pathlib import Path
+from typing import Any
+
+from tpujob_devcluster.cluster import BUCKET
+
+from .conftest import E2E
+
+V5E_TWO_SLICES: dict[str, Any] = {"accelerator": "tpu-v5-lite-podslice", "topology": "2x2", "slices": 2}
+LOCAL_INTERVAL = 5
+GCS_INTERVAL = 100  # far apart: the local tier is ahead of GCS when the trainer is killed
+
+
+def _pod_uids(e2e: E2E, jobset: str) -> dict[str, str]:
+    return {
+        str(p.metadata.name): str(p.metadata.uid)
+        for p in e2e.pods(f"jobset.sigs.k8s.io/jobset-name={jobset}")
+        if p.status.phase != "Failed"
+    }
+
+
+def _trainer_pid(e2e: E2E, pod: str) -> int:
+    """The trainer itself, under the agent and its shell: a crash of the training process alone."""
+    for pid in e2e.trainer_pids(pod):
+        argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+        if Path(argv[0].decode()).name.startswith("python") and b"tpujob-train" in b" ".join(argv):
+            return pid
+    raise AssertionError(f"no trainer process in pod {pod}")
+
+
+def test_a_crashed_trainer_restarts_in_place_from_the_local_tier(e2e):
+    e2e.apply(
+        "inplace",
+        600,
+        restart={"strategy": "InPlace"},
+        checkpoint={
+            "directory": f"gs://{BUCKET}/e2e",
+            "policy": "interval",
+            "intervalSteps": GCS_INTERVAL,
+            "local": {"sizeLimit": "256Mi", "intervalSteps": LOCAL_INTERVAL},
+        },
+        **V5E_TWO_SLICES,
+    )
+    e2e.wait(
+        "inplace",
+        lambda s: s.get("phase") == "Running" and (s.get("step") or 0) > GCS_INTERVAL + 4 * LOCAL_INTERVAL,
+        300,
+        "training",
+    )
+    before = _pod_uids(e2e, "inplace-a0")
+    assert len(before) == 2, before
+    victim = e2e.running_pod("inplace-a0-slice-1-0")
+
+    os.kill(_trainer_pid(e2e, victim), signal.SIGKILL)
+
+    status = e2e.wait("inplace", lambda s: s.get("phase") == "Succeeded", 300, "Succeeded")
+    failure = status["lastFailure"]
+    assert (status["restarts"], status["inPlaceRestarts"], status["attempt"]) == (1, 1, 0), status
+    assert (failure["rung"], failure["kind"], failure["reason"]) == ("InPlace", "ApplicationError", "ExitCode137")
+    # The same pods on the same nodes: nothing was deleted, rescheduled or recreated.
+    assert _pod_uids(e2e, "inplace-a0") == before
+    assert [js["metadata"]["name"] for js in e2e.jobsets()] == ["inplace-a0"]
+    restarts = {p.metadata.name: p.status.container_statuses[0].restart_count for p in e2e.pods()}
+    assert all(count >= 1 for count in restarts.values()), restarts  # every worker restarted, in place
+    # Restored from node memory, ahead of GCS: at most the local save in flight and the one before it
+    # lost (GCS alone would have lost every step since its last save), and the recovery measured.
+    record = e2e.progress("inplace")
+    assert record is not None and record.restored_from == "local", record
+    assert record.restored_step is not None and record.restored_step > GCS_INTERVAL, record
+    assert failure["resumeStep"] == record.restored_step and failure["lostSteps"] <= 2 * LOCAL_INTERVAL, failure
+    assert failure["recoverySeconds"] is not None and failure["timeline"]["restored"] is not None
+    assert "RestartingInPlace" in e2e.events("inplace")
