@@ -3,6 +3,7 @@ UPDATE_GOLDEN=1 and review the diff)."""
 
 import json
 import os
+import re
 import shlex
 import signal
 import subprocess
@@ -14,7 +15,7 @@ import yaml
 from pydantic import ValidationError
 from tpujob_contract import ExitCode
 from tpujob_operator import frameworks
-from tpujob_operator.jobset import build_jobset, coordinator_host, jobset_name, worker_command
+from tpujob_operator.jobset import IN_PLACE_AGENT, build_jobset, coordinator_host, jobset_name, worker_command
 from tpujob_operator.tpu import slice_shape
 
 from .factories import training_job
@@ -235,3 +236,13 @@ def test_the_worker_command_exits_as_a_runtime_reports_its_worker(tmp_path, kill
     worker = ["sh", "-c", f"kill -{killed_by.name.removeprefix('SIG')} $$" if killed_by else "exit 3"]
     done = subprocess.run(["sh", "-c", worker_command(worker)], cwd=tmp_path, check=False)
     assert done.returncode == code
+
+
+def test_the_trainer_image_holds_the_agent_of_the_jobset_the_devcluster_runs():
+    root = Path(__file__).parents[2]
+    dockerfile = (root / "trainer_image" / "Dockerfile").read_text()
+    pinned = re.search(
+        r'^JOBSET_VERSION="\$\{JOBSET_VERSION:-(v[0-9.]+)\}"', (root / "devcluster" / "build.sh").read_text(), re.M
+    )
+    assert pinned is not None and f"ARG JOBSET_VERSION={pinned.group(1)}\n" in dockerfile
+    assert f"/usr/local/bin/{IN_PLACE_AGENT}\n" in dockerfile  # on the image's PATH, as the builder names it
