@@ -18,7 +18,7 @@ import pytest
 import tpujob_contract as contract
 from tpujob_devcluster.fakegcs import FakeGcsServer
 from tpujob_trainer import local_tier
-from tpujob_trainer.config import DEFAULT_LOCAL_INTERVAL_STEPS, ConfigError, LocalTierConfig, parse_config
+from tpujob_trainer.config import ConfigError, LocalTierConfig, parse_config
 
 from tests.trainer.procs import Attempt, Job
 
@@ -31,7 +31,7 @@ GCS_EVERY_10 = {"TPUJOB_CHECKPOINT_POLICY": "interval", "TPUJOB_CHECKPOINT_INTER
 
 
 def _local_env(directory: Path, every: int = 2) -> dict[str, str]:
-    return {contract.LOCAL_CHECKPOINT_DIR_ENV: str(directory), contract.LOCAL_CHECKPOINT_INTERVAL_STEPS_ENV: str(every)}
+    return {contract.Env.LOCAL_CHECKPOINT_DIR: str(directory), contract.Env.LOCAL_CHECKPOINT_INTERVAL_STEPS: str(every)}
 
 
 def local_steps(directory: Path) -> list[int]:
@@ -194,12 +194,12 @@ def test_the_agreed_step_is_the_newest_every_process_holds() -> None:
 def test_the_local_tier_is_off_without_its_directory_and_its_interval_is_checked() -> None:
     env = {"TPUJOB_RUN_DIR": "gs://b/ns/name"}
     assert parse_config([], env).local_tier is None  # today's behaviour
-    on = parse_config([], env | {contract.LOCAL_CHECKPOINT_DIR_ENV: "/local/"})
-    assert on.local_tier == LocalTierConfig("/local", DEFAULT_LOCAL_INTERVAL_STEPS)
-    assert parse_config([], {contract.LOCAL_CHECKPOINT_DIR_ENV: "/local"}).local_tier is None  # no GCS tier
-    for bad in ({contract.LOCAL_CHECKPOINT_INTERVAL_STEPS_ENV: "0"}, {contract.LOCAL_CHECKPOINT_DIR_ENV: "gs://b/x"}):
+    on = parse_config([], env | {contract.Env.LOCAL_CHECKPOINT_DIR: "/local/"})
+    assert on.local_tier == LocalTierConfig("/local", contract.DEFAULT_LOCAL_INTERVAL_STEPS)
+    assert parse_config([], {contract.Env.LOCAL_CHECKPOINT_DIR: "/local"}).local_tier is None  # no GCS tier
+    for bad in ({contract.Env.LOCAL_CHECKPOINT_INTERVAL_STEPS: "0"}, {contract.Env.LOCAL_CHECKPOINT_DIR: "gs://b/x"}):
         with pytest.raises(ConfigError):
-            parse_config([], env | {contract.LOCAL_CHECKPOINT_DIR_ENV: "/local"} | bad)
+            parse_config([], env | {contract.Env.LOCAL_CHECKPOINT_DIR: "/local"} | bad)
 
 
 def test_a_record_says_its_tier_and_an_older_record_still_parses() -> None:

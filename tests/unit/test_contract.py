@@ -60,7 +60,12 @@ def test_the_trainer_parses_what_the_operator_sets(resume_step):
 
 
 def test_every_variable_the_operator_sets_is_a_contract_name_users_cannot_set():
-    adaptive = {"directory": "gs://acme-ckpt/runs", "policy": "adaptive", "maxIntervalSeconds": 600}
+    adaptive = {
+        "directory": "gs://acme-ckpt/runs",
+        "policy": "adaptive",
+        "maxIntervalSeconds": 600,
+        "local": {"sizeLimit": "16Gi"},
+    }
     manifest = build_jobset(training_job(checkpoint=adaptive), attempt=0, resume_step=None)
     set_by_operator = set(_pod_env(manifest, 0, 0)) - {"JOB_COMPLETION_INDEX"}
     assert set_by_operator == set(contract.Env.names())

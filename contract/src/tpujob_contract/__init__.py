@@ -54,6 +54,10 @@ class Env:
     # How long a process waits in JAX's distributed start-up for all its peers: as long as the
     # operator's scheduling and start-up clocks allow (0: for ever), so that those clocks decide
     DISTRIBUTED_INIT_TIMEOUT_SECONDS: Final = "TPUJOB_DISTRIBUTED_INIT_TIMEOUT_SECONDS"
+    # spec.checkpoint.local: the local tier's directory (an emptyDir's mountPath; absent: GCS alone) and
+    # the steps between its saves
+    LOCAL_CHECKPOINT_DIR: Final = "TPUJOB_LOCAL_CHECKPOINT_DIR"
+    LOCAL_CHECKPOINT_INTERVAL_STEPS: Final = "TPUJOB_LOCAL_CHECKPOINT_INTERVAL_STEPS"
 
     @classmethod
     def names(cls) -> tuple[str, ...]:
@@ -69,11 +73,8 @@ DEFAULT_STEPS: Final = 100
 # how often it writes its progress record, and where its compilation cache is ("off": none).
 PROGRESS_INTERVAL_ENV: Final = "TPUJOB_PROGRESS_INTERVAL_SECONDS"
 COMPILATION_CACHE_ENV: Final = "TPUJOB_COMPILATION_CACHE_DIR"
-# The trainer's local checkpoint tier (issue 19): the mountPath of a memory-backed emptyDir (absent:
-# no local tier, GCS alone), and how many steps apart it saves there. Not in Env (yet): the operator
-# does not set them today; whoever wires spec -> env moves them there.
-LOCAL_CHECKPOINT_DIR_ENV: Final = "TPUJOB_LOCAL_CHECKPOINT_DIR"
-LOCAL_CHECKPOINT_INTERVAL_STEPS_ENV: Final = "TPUJOB_LOCAL_CHECKPOINT_INTERVAL_STEPS"
+# The trainer's local checkpoint tier (spec.checkpoint.local): its default interval and where the
+# operator mounts its memory-backed emptyDir (Env.LOCAL_CHECKPOINT_DIR points there).
 DEFAULT_LOCAL_INTERVAL_STEPS: Final = 10  # spec.checkpoint.local.intervalSteps' default
 LOCAL_CHECKPOINT_MOUNT: Final = "/tpujob/local-checkpoints"  # where the operator mounts the emptyDir
 

@@ -284,8 +284,8 @@ def _with_local_tier(local: LocalCheckpointSpec, container: dict[str, Any], pod_
     container["volumeMounts"] = [{"name": LOCAL_TIER_VOLUME, "mountPath": contract.LOCAL_CHECKPOINT_MOUNT}]
     container["env"] = [
         *container["env"],
-        _env(contract.LOCAL_CHECKPOINT_DIR_ENV, contract.LOCAL_CHECKPOINT_MOUNT),
-        _env(contract.LOCAL_CHECKPOINT_INTERVAL_STEPS_ENV, local.interval_steps),
+        _env(contract.Env.LOCAL_CHECKPOINT_DIR, contract.LOCAL_CHECKPOINT_MOUNT),
+        _env(contract.Env.LOCAL_CHECKPOINT_INTERVAL_STEPS, local.interval_steps),
     ]
 
 

@@ -95,17 +95,14 @@ class LocalTierConfig:
     interval_steps: int
 
 
-DEFAULT_LOCAL_INTERVAL_STEPS = 10
-
-
 def local_tier_config(env: Mapping[str, str]) -> LocalTierConfig | None:
     """None (no local tier: GCS alone, as before) unless TPUJOB_LOCAL_CHECKPOINT_DIR is set."""
-    directory = env.get(contract.LOCAL_CHECKPOINT_DIR_ENV, "").strip().rstrip("/")
+    directory = env.get(contract.Env.LOCAL_CHECKPOINT_DIR, "").strip().rstrip("/")
     if not directory:
         return None
-    _require(not directory.startswith("gs://"), f"{contract.LOCAL_CHECKPOINT_DIR_ENV}={directory!r}: a local path")
-    interval = _int(env, contract.LOCAL_CHECKPOINT_INTERVAL_STEPS_ENV, DEFAULT_LOCAL_INTERVAL_STEPS)
-    _require(interval >= 1, f"{contract.LOCAL_CHECKPOINT_INTERVAL_STEPS_ENV} must be >= 1, got {interval}")
+    _require(not directory.startswith("gs://"), f"{contract.Env.LOCAL_CHECKPOINT_DIR}={directory!r}: a local path")
+    interval = _int(env, contract.Env.LOCAL_CHECKPOINT_INTERVAL_STEPS, contract.DEFAULT_LOCAL_INTERVAL_STEPS)
+    _require(interval >= 1, f"{contract.Env.LOCAL_CHECKPOINT_INTERVAL_STEPS} must be >= 1, got {interval}")
     return LocalTierConfig(directory, interval)
 
 
