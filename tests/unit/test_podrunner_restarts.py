@@ -197,3 +197,16 @@ def test_a_shell_in_the_trainer_image_finds_the_projects_python(tmp_path: Path):
     ).stdout.strip()
     assert os.path.samefile(found, sys.prefix)
     assert image_path("busybox", load_image_paths(REPO_ROOT / "devcluster" / "images.yaml"), sys.executable) == []
+
+
+def test_each_image_finds_the_entrypoint_its_framework_declares(monkeypatch: pytest.MonkeyPatch, tmp_path: Path):
+    """The agent runs a framework's entrypoint (frameworks/) by name: the image's PATH must hold it."""
+    from tpujob_operator import frameworks
+
+    monkeypatch.setenv("TPUJOB_CACHE", str(tmp_path))
+    paths = load_image_paths(REPO_ROOT / "devcluster" / "images.yaml")
+    maxtext = image_path("tpujob-maxtext:dev", paths, sys.executable)
+    assert maxtext == [str(tmp_path / "maxtext" / "0.2.5" / "bin")]
+    assert frameworks.adapter("maxtext").entrypoint[0] == "python3"  # what MaxText's venv has in bin/
+    trainer = image_path("tpujob-trainer:dev", paths, sys.executable)
+    assert (Path(trainer[0]) / frameworks.adapter("tpujob").entrypoint[0]).exists()  # the console script

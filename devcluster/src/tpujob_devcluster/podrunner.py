@@ -89,7 +89,15 @@ def image_path(image: str, paths: list[tuple[str, list[str]]], python: str) -> l
     """The first matching entry's PATH entries; `{python_dir}` is the directory of the project's
     interpreter (its venv's bin: `python` there is that interpreter)."""
     found = next((entry for pattern, entry in paths if fnmatch.fnmatch(image, pattern)), [])
-    return [part.replace("{python_dir}", str(Path(python).parent)).replace("{repo}", str(REPO_ROOT)) for part in found]
+    return [_expand(part.replace("{python_dir}", str(Path(python).parent)), python) for part in found]
+
+
+def _expand(part: str, python: str) -> str:
+    """The image table's placeholders (devcluster/images.yaml)."""
+    if part == "{python}":
+        return python
+    cache = os.environ.get("TPUJOB_CACHE") or str(Path.home() / ".cache" / "tpujob")
+    return part.replace("{cache}", cache).replace("{repo}", str(REPO_ROOT))
 
 
 def container_argv(container: dict[str, Any], images: list[tuple[str, list[str]]], python: str) -> list[str]:
@@ -100,11 +108,7 @@ def container_argv(container: dict[str, Any], images: list[tuple[str, list[str]]
         found = next((entry for pattern, entry in images if fnmatch.fnmatch(container["image"], pattern)), None)
         if found is None:
             raise ValueError(f"image {container['image']!r} has no entry in the pod runner's image table")
-        cache = os.environ.get("TPUJOB_CACHE") or str(Path.home() / ".cache" / "tpujob")
-        entrypoint = [
-            python if part == "{python}" else part.replace("{cache}", cache).replace("{repo}", str(REPO_ROOT))
-            for part in found
-        ]
+        entrypoint = [_expand(part, python) for part in found]
     return entrypoint + list(container.get("args") or [])
 
 
