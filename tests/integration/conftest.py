@@ -38,7 +38,8 @@ class OperatorThread:
     """The real operator (kopf + our handlers) on its own event loop in a background thread: a runtime
     of its own (`runtime`, fresh clients and memory, as a new operator process has), built from `settings`."""
 
-    def __init__(self, settings: RuntimeSettings | None = None) -> None:
+    def __init__(self, settings: RuntimeSettings | None = None, namespaces: list[str] | None = None) -> None:
+        self.namespaces = namespaces  # None: cluster-wide (the chart's default)
         self.runtime = Runtime(settings)
         self.registry = kopf.OperatorRegistry()
         handlers.register(self.runtime, self.registry)
@@ -50,7 +51,8 @@ class OperatorThread:
         asyncio.run(
             kopf.operator(
                 registry=self.registry,
-                clusterwide=True,
+                clusterwide=self.namespaces is None,
+                namespaces=self.namespaces or [],
                 standalone=True,
                 stop_flag=self.stop_flag,
                 ready_flag=self.ready_flag,
@@ -76,8 +78,8 @@ def start_operator(
     """Start an operator (each a new process, remembering nothing), optionally with its flags' settings."""
     started: list[OperatorThread] = []
 
-    def start(settings: RuntimeSettings | None = None) -> OperatorThread:
-        operator = OperatorThread(settings).start()
+    def start(settings: RuntimeSettings | None = None, namespaces: list[str] | None = None) -> OperatorThread:
+        operator = OperatorThread(settings, namespaces).start()
         started.append(operator)
         return operator
 

@@ -61,6 +61,17 @@ def _kill_ahead_of_gcs(job: Job, attempt: Attempt, dirs: list[Path]) -> tuple[in
     return job.committed_steps()[-1], [local_steps(d) for d in dirs]
 
 
+def _reference_and_interrupted(
+    gcs: FakeGcsServer, trainer_env: dict[str, str], tmp_path: Path, run_name: str
+) -> tuple[Job, Job]:
+    """An uninterrupted run (the truth) and the run the test interrupts, each with its own logs."""
+    reference = Job(gcs, trainer_env, tmp_path / "reference", f"{run_name}-ref")
+    job = Job(gcs, trainer_env, tmp_path / "interrupted", run_name)
+    reference.log_dir.mkdir()
+    job.log_dir.mkdir()
+    return reference, job
+
+
 def _restored(job: Job) -> tuple[str | None, int | None]:
     record = job.progress()
     return record.get("restored_from"), record.get("restored_step")
@@ -70,10 +81,7 @@ def _restored(job: Job) -> tuple[str | None, int | None]:
 def test_a_killed_run_restores_from_the_local_tier_ahead_of_gcs_and_ends_bitwise_equal(
     gcs: FakeGcsServer, trainer_env: dict[str, str], tmp_path: Path, run_name: str
 ) -> None:
-    reference = Job(gcs, trainer_env, tmp_path / "reference", f"{run_name}-ref")
-    job = Job(gcs, trainer_env, tmp_path / "interrupted", run_name)
-    reference.log_dir.mkdir()
-    job.log_dir.mkdir()
+    reference, job = _reference_and_interrupted(gcs, trainer_env, tmp_path, run_name)
     local = tmp_path / "local"
     try:
         assert reference.start(ARGS, GCS_EVERY_10).wait(120) == [0]
@@ -149,10 +157,7 @@ def test_a_missing_half_written_damaged_foreign_or_unusable_local_directory_rest
 def test_two_processes_restore_the_newest_local_step_both_hold_never_a_mix(
     gcs: FakeGcsServer, trainer_env: dict[str, str], tmp_path: Path, run_name: str
 ) -> None:
-    reference = Job(gcs, trainer_env, tmp_path / "reference", f"{run_name}-ref")
-    job = Job(gcs, trainer_env, tmp_path / "interrupted", run_name)
-    reference.log_dir.mkdir()
-    job.log_dir.mkdir()
+    reference, job = _reference_and_interrupted(gcs, trainer_env, tmp_path, run_name)
     dirs = [tmp_path / "local-0", tmp_path / "local-1"]
     try:
         # One slice over both processes: each process's local directory holds only its own shards.
