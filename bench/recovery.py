@@ -36,12 +36,25 @@ Prints one JSON object: per run p50/p90/p99 per stage and medians, per side the 
 failures and the operator share's p50/p99/max with n, each side's ratio to the first side, and the
 median of the per-round, per-policy ratios (jobs run back to back).
 Run: `make bench-recovery` (`RECOVERY_ARGS=...` to change the flags).
+
+`--rungs recreate,inplace[,inplace-gcs]` (alone: recreate,inplace) compares the restart ladder's rungs
+instead: one 2-slice job (v5e 2x2 x 2, two v5e nodes, no spare) per rung and round, alternating, each
+with N SIGKILLs of one trainer process (slice 1's; under JobSet's agent on InPlace), GCS saves every 50
+steps on every rung. recreate: strategy Recreate; inplace: InPlace + spec.checkpoint.local (every 10
+steps); inplace-gcs: InPlace, GCS only. Per failure: recovery (kill -> the new process's first step, on
+the trainer's clock; also as polled and as status.lastFailure.recoverySeconds), pods_rescheduled (live
+pod uids that changed: 0 in place), steps_lost (the step last reported before the kill - the step
+restored), restored_from (local | gcs), and stages: kill_to_detected (status timeline), kill_to_process,
+process_to_storage, storage_to_restored, restored_to_first_step, total; the ratios are over the first rung.
+`--model` picks the trainer's model (tiny by default; small, 5.2 M parameters, ~63 MB of state with
+Adam's moments, is the largest short of 100m, 110 M parameters and ~1.3 GB, too slow on 2 CPU cores).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import signal
 import statistics
@@ -57,6 +70,7 @@ from pathlib import Path
 from typing import Any
 
 import tpujob_contract as contract
+import yaml
 from google.auth.credentials import AnonymousCredentials
 from google.cloud import storage
 from kubernetes import client, config, watch
@@ -70,10 +84,12 @@ from tpujob_devcluster.harness import (
     ensure_namespace,
     git,
     helm_install_operator,
+    pod_pids,
     quantiles,
     signal_pod,
     worktree,
 )
+from tpujob_devcluster.pools import POOLS_FILE
 from tpujob_operator import checkpoints
 
 NAMESPACE = "default"
@@ -491,6 +507,268 @@ def sides_for(
     return sides
 
 
+# --- The restart ladder's rungs side by side (--rungs) -------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Rung:
+    """One rung compared: spec.restart.strategy, and whether spec.checkpoint.local is on."""
+
+    key: str
+    strategy: str  # Recreate | InPlace
+    local: bool
+
+
+RUNGS = {
+    "recreate": Rung("recreate", "Recreate", False),  # a new JobSet, GCS only
+    "inplace": Rung("inplace", "InPlace", True),  # the same pods, the local tier restored first
+    "inplace-gcs": Rung("inplace-gcs", "InPlace", False),  # the same pods, GCS only
+}
+RUNG_GCS_INTERVAL = 50  # steps between GCS saves (policy interval), the same on every rung
+RUNG_LOCAL_INTERVAL = 10  # steps between local-tier saves (spec.checkpoint.local.intervalSteps)
+RUNG_STAGES = (
+    "kill_to_detected", "kill_to_process", "process_to_storage", "storage_to_restored",
+    "restored_to_first_step", "total",
+)  # fmt: skip
+RUNG_PICKS: dict[str, Callable[[dict[str, Any]], float | None]] = {
+    "recovery_s": lambda r: r["stages"]["total"],
+    "recovery_polled_s": lambda r: r["recovery_polled_s"],
+    "status_recovery_s": lambda r: r["status_recovery_s"],
+    "pods_rescheduled": lambda r: r["pods_rescheduled"],
+    "steps_lost": lambda r: r["steps_lost"],
+}
+
+
+def _rung_manifest(name: str, rung: Rung, model: str, failures: int) -> dict[str, Any]:
+    checkpoint: dict[str, Any] = {
+        "directory": f"gs://{BUCKET}/bench", "policy": "interval", "intervalSteps": RUNG_GCS_INTERVAL,
+    }  # fmt: skip
+    if rung.local:
+        checkpoint["local"] = {"sizeLimit": "2Gi", "intervalSteps": RUNG_LOCAL_INTERVAL}
+    restart: dict[str, Any] = {"maxRestarts": failures, "backoffSeconds": 0, "strategy": rung.strategy}
+    if rung.strategy == "InPlace":  # every failure of the job in place: the ladder never climbs
+        restart["inPlace"] = {"maxRestarts": failures}
+    return {
+        "apiVersion": "/".join(TRAININGJOBS), "kind": contract.TRAININGJOB_KIND,
+        "metadata": {"name": name, "namespace": NAMESPACE},
+        "spec": {
+            "image": "tpujob-trainer:dev",
+            "args": ["--model", model, "--steps", "100000", "--batch-size", "8", "--log-every", "25"],
+            "env": [{"name": contract.PROGRESS_INTERVAL_ENV, "value": "0.5"}],
+            "tpu": {"accelerator": "tpu-v5-lite-podslice", "topology": "2x2", "slices": 2},
+            "checkpoint": checkpoint,
+            "restart": restart,
+        },
+    }  # fmt: skip
+
+
+def rung_plan(rungs: list[Rung], rounds: int) -> list[tuple[int, Rung]]:
+    """Per round every rung once, the first one turning each round (as `plan`)."""
+    return [(r, rung) for r in range(rounds) for rung in rungs[r % len(rungs) :] + rungs[: r % len(rungs)]]
+
+
+class RungBench(Bench):
+    def pod_uids(self, name: str) -> dict[str, str]:
+        """The job's live pods (any attempt): name -> uid."""
+        return {
+            str(p.metadata.name): str(p.metadata.uid)
+            for p in self.pods(name, NAMESPACE)
+            if p.status.phase not in ("Failed", "Succeeded") and p.metadata.deletion_timestamp is None
+        }
+
+    def trainer_pid(self, pod: str) -> int | None:
+        """The trainer's python process (under the agent's shell on InPlace): a crash of the training
+        process alone, the issue's failure, the same on every rung."""
+        for pid in pod_pids(self.cluster.state_dir, NAMESPACE, pod):
+            try:
+                argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+            except OSError:
+                continue
+            line = b" ".join(argv)  # `python -m tpujob_trainer`, or the entrypoint under the agent
+            if Path(argv[0].decode()).name.startswith("python") and (
+                b"tpujob-train" in line or b"tpujob_trainer" in line
+            ):
+                return pid
+        return None
+
+    def victim(self, name: str) -> tuple[str, int] | None:
+        """A running worker of the second slice (not process 0, which writes the record) and its trainer."""
+        pods = [p for p in self.pods(name, NAMESPACE) if p.status.phase == "Running"]
+        pods.sort(key=lambda p: "-slice-1-" not in str(p.metadata.name))
+        for pod in pods:
+            if (pid := self.trainer_pid(str(pod.metadata.name))) is not None:
+                return str(pod.metadata.name), pid
+        return None
+
+    def recovered(self, run_dir: str, killed: float) -> contract.ProgressRecord | None:
+        """The first record of a process started after the kill that trained past its restored step."""
+        p = checkpoints.read_progress(self.gcs, run_dir)
+        started = _wall(p.process_started_at) if p else None
+        if p and started is not None and started > killed and p.first_step_at and p.step > (p.restored_step or 0):
+            return p
+        return None
+
+    def failure_status(self, name: str, count: int) -> dict[str, Any]:
+        """status once its lastFailure is the count-th failure's, with the first new step dated."""
+
+        def complete() -> dict[str, Any] | None:
+            status = self.status(name, NAMESPACE)
+            timeline = (status.get("lastFailure") or {}).get("timeline") or {}
+            return status if status.get("restarts", 0) >= count and timeline.get("firstNewStep") else None
+
+        try:
+            result: dict[str, Any] = self.wait(complete, timeout=30.0, interval=0.5)
+        except TimeoutError:
+            result = self.status(name, NAMESPACE)
+        return result
+
+    def inject(
+        self, name: str, run_dir: str, count: int, since: float, rng: random.Random
+    ) -> tuple[dict[str, Any], float]:
+        time.sleep(max(0.0, since + rng.uniform(4.0, 12.0) - time.monotonic()))
+        pod, pid = self.wait(lambda: self.victim(name))
+        before_uids = self.pod_uids(name)
+        before = checkpoints.read_progress(self.gcs, run_dir)
+        os.kill(pid, signal.SIGKILL)
+        killed, t0 = time.time(), time.monotonic()
+        progress: contract.ProgressRecord = self.wait(lambda: self.recovered(run_dir, killed), interval=0.05)
+        recovered_at = time.monotonic()
+        status = self.failure_status(name, count)
+        failure = status.get("lastFailure") or {}
+        timeline = failure.get("timeline") or {}
+        after_uids = self.pod_uids(name)
+        process, ready = _wall(progress.process_started_at), _wall(progress.storage_ready_at)
+        restored = _wall(progress.restore_finished_at) or ready
+        first = _wall(progress.first_step_at)
+        reported = before.step if before else None
+        record = {
+            "victim": pod,
+            "recovery_polled_s": round(recovered_at - t0, 2),
+            "status_recovery_s": failure.get("recoverySeconds"),
+            "rung": failure.get("rung"),
+            "pods_rescheduled": len(set(after_uids.values()) - set(before_uids.values())),
+            "pods": len(after_uids),
+            "reported_step": reported,
+            "restored_step": progress.restored_step,
+            "restored_from": progress.restored_from,
+            "steps_lost": reported - (progress.restored_step or 0) if reported is not None else None,
+            "status_lost_steps": failure.get("lostSteps"),
+            "stages": {
+                "kill_to_detected": _span(killed, _wall(timeline.get("detected"))),
+                "kill_to_process": _span(killed, process),
+                "process_to_storage": _span(process, ready),
+                "storage_to_restored": _span(ready, restored),
+                "restored_to_first_step": _span(restored, first),
+                "total": _span(killed, first),
+            },
+            "timeline": timeline,
+            "timeline_stages": {
+                k: _span(_wall(timeline.get(a)), _wall(timeline.get(b))) for k, (a, b) in TIMELINE_STAGES.items()
+            },
+            "in_place_restarts": status.get("inPlaceRestarts"),
+            "attempt": status.get("attempt"),
+        }
+        return record, recovered_at
+
+    def run_rung(self, name: str, rung: Rung, model: str, failures: int, rng: random.Random) -> dict[str, Any]:
+        run_dir = f"gs://{BUCKET}/bench/{NAMESPACE}/{name}"
+        self.custom.create_namespaced_custom_object(
+            *TRAININGJOBS, NAMESPACE, contract.TRAININGJOB_PLURAL, _rung_manifest(name, rung, model, failures)
+        )
+        records = []
+        try:
+            # Past a GCS save and a few local ones, so each tier has something to restore.
+            self.wait(
+                lambda: (p := checkpoints.read_progress(self.gcs, run_dir)) and p.step > RUNG_GCS_INTERVAL + 5,
+                timeout=600.0,
+            )
+            since = time.monotonic()
+            for i in range(failures):
+                record, since = self.inject(name, run_dir, i + 1, since, rng)
+                records.append(record)
+                print(f"  {name} failure {i + 1}: {json.dumps(record['stages'])}", file=sys.stderr, flush=True)
+        except Exception:
+            self.diagnose(name, NAMESPACE)
+            raise
+        status = self.status(name, NAMESPACE)
+        self.custom.delete_namespaced_custom_object(*TRAININGJOBS, NAMESPACE, contract.TRAININGJOB_PLURAL, name)
+        self.wait(lambda: not self.pods(name, NAMESPACE), timeout=180.0, interval=0.5)  # the next job needs the nodes
+        return {
+            "rung": rung.key,
+            "strategy": rung.strategy,
+            "local": rung.local,
+            "failures": records,
+            "restarts": status.get("restarts"),
+            "in_place_restarts": status.get("inPlaceRestarts"),
+            "goodput": status.get("goodput"),
+            "median": _rung_medians(records),
+            "stages": {s: quantiles(r["stages"][s] for r in records) for s in RUNG_STAGES},
+        }
+
+
+def _rung_medians(records: list[dict[str, Any]]) -> dict[str, float | None]:
+    def median(pick: Callable[[dict[str, Any]], float | None]) -> float | None:
+        values = [v for r in records if (v := pick(r)) is not None]
+        return round(statistics.median(values), 3) if values else None
+
+    return {k: median(f) for k, f in RUNG_PICKS.items()}
+
+
+def rung_comparison(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """Per rung over all its failures: medians, stage quantiles, restore tiers; each rung's medians
+    over the first rung's (recreate's, by default)."""
+    rungs = list(dict.fromkeys(r["rung"] for r in runs))
+    failures = {k: [f for r in runs if r["rung"] == k for f in r["failures"]] for k in rungs}
+    medians = {k: _rung_medians(v) for k, v in failures.items()}
+    result: dict[str, Any] = {
+        "failures": {k: len(v) for k, v in failures.items()},
+        "median": medians,
+        "stages": {k: {s: quantiles(f["stages"][s] for f in v) for s in RUNG_STAGES} for k, v in failures.items()},
+        "timeline_stages": {
+            k: {s: quantiles(f["timeline_stages"][s] for f in v) for s in TIMELINE_STAGES} for k, v in failures.items()
+        },
+        "restored_from": {k: [f["restored_from"] for f in v] for k, v in failures.items()},
+    }
+    if len(rungs) > 1:
+        first = rungs[0]
+        result[f"ratio_over_{first}"] = {
+            k: {
+                p: round(value / base, 3)
+                if (value := medians[k][p]) is not None and (base := medians[first][p])
+                else None
+                for p in ("recovery_s", "recovery_polled_s", "status_recovery_s", "steps_lost")
+            }
+            for k in rungs[1:]
+        }
+    return result
+
+
+def _bench_rungs(
+    rungs: list[Rung], model: str, rounds: int, failures: int, rng: random.Random, state: Path, spare: int = 0
+) -> tuple[list[dict[str, Any]], float]:
+    t0 = time.monotonic()
+    # v5e 2x2 pools for the 2-slice job's two nodes, and `spare` more: with none, Recreate reschedules
+    # onto the nodes its old pods free, waiting out their termination (a reservation sized to the job).
+    state.mkdir(parents=True, exist_ok=True)
+    pools = yaml.safe_load(POOLS_FILE.read_text())
+    for extra in range(1 + spare):
+        pools["pools"].append({"name": f"v5e-pool-x{extra}", "accelerator": "tpu-v5-lite-podslice", "topology": "2x2"})
+    (state / "pools.yaml").write_text(yaml.safe_dump(pools))
+    cluster = DevCluster(state, state / "pools.yaml").start()
+    try:
+        bench = RungBench(cluster)
+        helm_install_operator(cluster.kubeconfig)
+        cluster_seconds = round(time.monotonic() - t0, 1)
+        runs = []
+        for r, rung in rung_plan(rungs, rounds):
+            name = f"bench-{rung.key}-r{r}"
+            runs.append({"round": r, **bench.run_rung(name, rung, model, failures, rng)})
+            print(f"{name}: medians {json.dumps(runs[-1]['median'])}", file=sys.stderr, flush=True)
+        return runs, cluster_seconds
+    finally:
+        cluster.stop()
+
+
 def main() -> None:
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # so that the devcluster is stopped too
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -510,7 +788,22 @@ def main() -> None:
         "same cluster, alternating with the current side; ratios are over it",
     )
     parser.add_argument("--current-rev", help="run this revision as the current side instead of the working tree")
+    parser.add_argument(
+        "--rungs",
+        nargs="?",
+        const="recreate,inplace",
+        help=f"the restart ladder's rungs side by side instead (of {','.join(RUNGS)}; alone: recreate,inplace): "
+        "2-slice jobs, the trainer process SIGKILLed, recovery to the first new step, pods rescheduled, "
+        "steps lost and the restore tier per failure",
+    )
+    parser.add_argument(
+        "--spare-nodes", type=int, default=0, help="with --rungs: v5e nodes beyond the job's two (default 0)"
+    )
+    parser.add_argument("--model", default="tiny", help="the trainer's --model with --rungs (tiny, small, ...)")
     args = parser.parse_args()
+    if args.rungs:
+        _main_rungs(args)
+        return
     mode = args.compile_cache or ("on" if args.baseline_rev else "both")
     modes = ["off", "on"] if mode == "both" else [mode]
     rng = random.Random(args.seed)
@@ -546,6 +839,44 @@ def main() -> None:
         f"paired_recovery_ratio_over_{sides[0].key}": paired_ratios(runs, sides[0].key),
         # The shape of earlier versions: side -> policy -> that policy's (first) run.
         "runs": {side: {p: per[0] for p, per in by_policy.items() if per} for side, by_policy in by_side.items()},
+        "all_runs": runs,
+        "cluster_start_seconds": cluster_seconds,
+        "wall_seconds": round(time.monotonic() - started, 1),
+    }
+    print(json.dumps(result, indent=2))
+
+
+def _main_rungs(args: argparse.Namespace) -> None:
+    keys = [k.strip() for k in args.rungs.split(",") if k.strip()]
+    unknown = [k for k in keys if k not in RUNGS]
+    if unknown or not keys:
+        sys.exit(f"unknown rungs {unknown}; choose from {list(RUNGS)}")
+    rungs = [RUNGS[k] for k in keys]
+    started = time.monotonic()
+    with tempfile.TemporaryDirectory(prefix="tpujob-bench-") as temp:
+        runs, cluster_seconds = _bench_rungs(
+            rungs,
+            args.model,
+            args.rounds,
+            args.failures,
+            random.Random(args.seed),
+            Path(temp) / "cluster",
+            args.spare_nodes,
+        )
+    result = {
+        "benchmark": "recovery-rungs",
+        "workload": (
+            f"{args.model} LM, 2 slices v5e 2x2 (2 hosts, {args.spare_nodes} spare nodes), backoff 0, "
+            "SIGKILL of one trainer process (slice 1) 4-12 s after the previous recovery, progress every 0.5 s, "
+            f"GCS every {RUNG_GCS_INTERVAL} steps, local tier (inplace) every {RUNG_LOCAL_INTERVAL} steps"
+        ),
+        "command": " ".join(["bench/recovery.py", *sys.argv[1:]]),
+        "commit": f"{git('rev-parse', 'HEAD')} (working tree)",
+        "rungs": {r.key: {"strategy": r.strategy, "local": r.local} for r in rungs},
+        "failures_per_job": args.failures,
+        "rounds": args.rounds,
+        "stages": list(RUNG_STAGES),
+        "comparison": rung_comparison(runs),
         "all_runs": runs,
         "cluster_start_seconds": cluster_seconds,
         "wall_seconds": round(time.monotonic() - started, 1),
