@@ -536,6 +536,7 @@ RUNG_PICKS: dict[str, Callable[[dict[str, Any]], float | None]] = {
     "status_recovery_s": lambda r: r["status_recovery_s"],
     "pods_rescheduled": lambda r: r["pods_rescheduled"],
     "steps_lost": lambda r: r["steps_lost"],
+    "status_lost_steps": lambda r: r["status_lost_steps"],
 }
 
 
@@ -600,10 +601,14 @@ class RungBench(Bench):
                 return str(pod.metadata.name), pid
         return None
 
-    def recovered(self, run_dir: str, killed: float) -> contract.ProgressRecord | None:
-        """The first record of a process started after the kill that trained past its restored step."""
+    def recovered(self, run_dir: str, killed: float, last: list[int]) -> contract.ProgressRecord | None:
+        """The first record of a process started after the kill that trained past its restored step;
+        `last` keeps the highest step the old process recorded (it goes on recording, its step stuck
+        where the kill stopped it: the last step trained, not the one last read before the kill)."""
         p = checkpoints.read_progress(self.gcs, run_dir)
         started = _wall(p.process_started_at) if p else None
+        if p and started is not None and started <= killed:
+            last[0] = max(last[0], p.step)
         if p and started is not None and started > killed and p.first_step_at and p.step > (p.restored_step or 0):
             return p
         return None
@@ -631,7 +636,8 @@ class RungBench(Bench):
         before = checkpoints.read_progress(self.gcs, run_dir)
         os.kill(pid, signal.SIGKILL)
         killed, t0 = time.time(), time.monotonic()
-        progress: contract.ProgressRecord = self.wait(lambda: self.recovered(run_dir, killed), interval=0.05)
+        last = [before.step if before else 0]
+        progress: contract.ProgressRecord = self.wait(lambda: self.recovered(run_dir, killed, last), interval=0.05)
         recovered_at = time.monotonic()
         status = self.failure_status(name, count)
         failure = status.get("lastFailure") or {}
@@ -640,7 +646,7 @@ class RungBench(Bench):
         process, ready = _wall(progress.process_started_at), _wall(progress.storage_ready_at)
         restored = _wall(progress.restore_finished_at) or ready
         first = _wall(progress.first_step_at)
-        reported = before.step if before else None
+        reported = last[0] if before else None
         record = {
             "victim": pod,
             "recovery_polled_s": round(recovered_at - t0, 2),
@@ -736,7 +742,7 @@ def rung_comparison(runs: list[dict[str, Any]]) -> dict[str, Any]:
                 p: round(value / base, 3)
                 if (value := medians[k][p]) is not None and (base := medians[first][p])
                 else None
-                for p in ("recovery_s", "recovery_polled_s", "status_recovery_s", "steps_lost")
+                for p in ("recovery_s", "recovery_polled_s", "status_recovery_s", "steps_lost", "status_lost_steps")
             }
             for k in rungs[1:]
         }
