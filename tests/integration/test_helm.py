@@ -96,6 +96,11 @@ def test_the_in_place_restart_agent_reads_jobsets_and_patches_pods_only():
     [deployment] = [d for d in docs if d["kind"] == "Deployment"]
     args = deployment["spec"]["template"]["spec"]["containers"][0]["args"]
     assert "--in-place-agent-cluster-role=tpujob-in-place-restart-agent" in args
+    assert "--in-place-restart-action=Restart" in args  # what a GKE 1.35 node does without alpha gates
+    [alpha] = [d for d in render("inPlaceRestart.restartAction=RestartAllContainers") if d["kind"] == "Deployment"]
+    assert (
+        "--in-place-restart-action=RestartAllContainers" in alpha["spec"]["template"]["spec"]["containers"][0]["args"]
+    )
 
 
 def test_node_leases_are_only_read_one_by_one():

@@ -246,3 +246,26 @@ def test_the_trainer_image_holds_the_agent_of_the_jobset_the_devcluster_runs():
     )
     assert pinned is not None and f"ARG JOBSET_VERSION={pinned.group(1)}\n" in dockerfile
     assert f"/usr/local/bin/{IN_PLACE_AGENT}\n" in dockerfile  # on the image's PATH, as the builder names it
+
+
+def test_the_restart_action_is_what_the_nodes_can_do():
+    tj = training_job(restart={"strategy": "InPlace"})
+    beta = _worker(build_jobset(tj, attempt=0, resume_step=None))
+    alpha = _worker(build_jobset(tj, attempt=0, resume_step=None, restart_action="RestartAllContainers"))
+    assert [r["action"] for r in beta["restartPolicyRules"]] == ["Restart"]  # 1.35's beta, with back-off
+    assert [r["action"] for r in alpha["restartPolicyRules"]] == ["RestartAllContainers"]
+    assert alpha["restartPolicyRules"][0]["exitCodes"] == beta["restartPolicyRules"][0]["exitCodes"]
+    recreate = _worker(build_jobset(training_job(), attempt=0, resume_step=None, restart_action="RestartAllContainers"))
+    assert "restartPolicyRules" not in recreate  # only InPlace jobs restart containers
+
+
+def test_the_operator_flag_reaches_the_builder():
+    from tpujob_operator import __main__ as main
+
+    default = main.runtime_settings(main.parse_args(["--no-leader-elect"]))
+    chosen = main.runtime_settings(
+        main.parse_args(["--no-leader-elect", "--in-place-restart-action", "RestartAllContainers"])
+    )
+    assert (default.in_place_restart_action, chosen.in_place_restart_action) == ("Restart", "RestartAllContainers")
+    with pytest.raises(SystemExit):
+        main.parse_args(["--no-leader-elect", "--in-place-restart-action", "Reboot"])

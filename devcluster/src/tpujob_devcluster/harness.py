@@ -26,6 +26,11 @@ OPERATOR_RELEASE = "tpujob"
 CHART = REPO_ROOT / "charts" / "tpujob"
 
 
+# The devcluster's apiserver has the 1.35 alpha gates and its pod runner restarts all containers as such a
+# kubelet does (controlplane.py, podrunner.py): InPlace jobs need no crash-loop back-off here.
+DEVCLUSTER_RESTART_ACTION = "RestartAllContainers"
+
+
 def helm_install_operator(
     kubeconfig: Path,
     *values: str,
@@ -41,7 +46,7 @@ def helm_install_operator(
     chart's extraEnv, as strings: a value that reads as a number stays one)."""
     sets = [
         "image.repository=tpujob-operator", "image.tag=dev", f"livenessPort={free_port()}",
-        f"metrics.port={free_port()}", *values,
+        f"metrics.port={free_port()}", f"inPlaceRestart.restartAction={DEVCLUSTER_RESTART_ACTION}", *values,
     ]  # fmt: skip
     strings = [
         f"extraEnv[{i}].{field}={text}"

@@ -172,7 +172,6 @@ RESTART_ALL = "RestartAllContainers"
 # forgotten once a container ran for twice the maximum.
 BACKOFF_INITIAL_S = 10.0
 BACKOFF_MAX_S = 300.0
-RESTARTING_ALL_CONTAINERS = "RestartingAllContainers"  # kubelet's reason for a container reset by the action
 ALL_CONTAINERS_RESTARTING = "AllContainersRestarting"  # the pod condition the action sets
 
 
@@ -690,16 +689,12 @@ class PodRunner:
         """Start the container again in the same pod, as kubelet; False when the pod went meanwhile."""
         restart_all = could_restart_all(pod["spec"])
         if action == RESTART_ALL:
-            # Every container is killed and removed, so none is in back-off; their last state reads
-            # RestartingAllContainers (kubelet_pods.go), the pod condition says so until they run again.
+            # Every container is killed and removed, so none is in back-off; the pod condition says so
+            # until they run again. The container that exited keeps its own exit as its last state; only
+            # one killed while running would read RestartingAllContainers/137 (kubelet_pods.go), and the
+            # runner runs one container per pod.
             self._report_restart(pod, running, {"terminated": terminated}, running.last_terminated, True)
             delay = 0.0
-            terminated = {
-                **terminated,
-                "exitCode": 137,
-                "reason": RESTARTING_ALL_CONTAINERS,
-                "message": "The container is removed because RestartAllContainers in place",
-            }
         else:
             delay, running.backoff = restart_backoff(running.backoff, finished, time.monotonic())
         running.restart_count += 1

@@ -16,6 +16,7 @@ import kopf
 
 from . import handlers, leader, policy, runtime
 from .apply import IN_PLACE_AGENT_ROLE
+from .jobset import IN_PLACE_RESTART_ACTIONS
 from .kube import load_config
 from .metrics import DEFAULT_PORT, OperatorMetrics, process_registry
 
@@ -47,6 +48,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=IN_PLACE_AGENT_ROLE,
         help="ClusterRole bound to the worker pods' ServiceAccount for spec.restart.strategy InPlace (JobSet's "
         f"in-place restart agent reads its JobSet and annotates its pod; default {IN_PLACE_AGENT_ROLE})",
+    )
+    parser.add_argument(
+        "--in-place-restart-action",
+        choices=IN_PLACE_RESTART_ACTIONS,
+        default="Restart",
+        help="the InPlace jobs' container restart rule: Restart (Kubernetes 1.35, with the kubelet's crash-loop "
+        "back-off) or RestartAllContainers (needs the nodes' 1.35 alpha gates; no back-off)",
     )
     scale = parser.add_argument_group("scale (see the README's 'Operator at fleet scale')")
     scale.add_argument(
@@ -99,6 +107,7 @@ def runtime_settings(args: argparse.Namespace) -> runtime.RuntimeSettings:
         progress_check_seconds=args.progress_check_seconds,
         watch_kueue_workloads=args.watch_kueue_workloads,
         in_place_agent_role=args.in_place_agent_cluster_role,
+        in_place_restart_action=args.in_place_restart_action,
     )
 
 

@@ -17,7 +17,7 @@ from kubernetes.client.exceptions import ApiException
 
 from . import api
 from .facts import Actions, CreationRefused, Event
-from .jobset import build_jobset, incarnation_uid
+from .jobset import InPlaceRestartAction, build_jobset, incarnation_uid
 from .kube import Cluster
 from .memory import JobMemory
 from .observe import slim_jobset, without_managed_fields
@@ -71,11 +71,16 @@ class Applier:
     first, on the version the decision was made from)."""
 
     def __init__(
-        self, cluster: Callable[[], Cluster], on_gone: Callable[[], None], agent_role: str = IN_PLACE_AGENT_ROLE
+        self,
+        cluster: Callable[[], Cluster],
+        on_gone: Callable[[], None],
+        agent_role: str = IN_PLACE_AGENT_ROLE,
+        restart_action: InPlaceRestartAction = "Restart",
     ) -> None:
         self.cluster = cluster
         self.on_gone = on_gone  # a status write answered 404: the job is gone, perhaps in a watch gap
         self.agent_role = agent_role  # the ClusterRole JobSet's in-place restart agent needs (the chart's)
+        self.restart_action = restart_action  # what the cluster's nodes can do (jobset.InPlaceRestartAction)
 
     def status(
         self, job: JobMemory, body: dict[str, Any], decided: api.TrainingJobStatus, acting: bool
@@ -116,7 +121,7 @@ class Applier:
     def create(self, job: JobMemory, tj: api.TrainingJob, attempt: int, resume: int | None, queue: str | None) -> None:
         """Create the attempt's JobSet; a refusal is remembered (`job.refused`), an overload (429/5xx) raised."""
         kube = self.cluster()
-        manifest = build_jobset(tj, attempt, resume, queue)
+        manifest = build_jobset(tj, attempt, resume, queue, self.restart_action)
         name = manifest["metadata"]["name"]
         existing = False
         if tj.spec.restart.strategy == "InPlace" and not self._agent_may_run(job, tj):

@@ -12,7 +12,7 @@ from __future__ import annotations
 import copy
 import shlex
 from datetime import UTC, datetime
-from typing import Any
+from typing import Any, Literal, get_args
 
 import tpujob_contract as contract
 from tpujob_contract import (
@@ -62,6 +62,13 @@ IN_PLACE_RESTART_EXIT_CODE = 86  # no trainer exit code (contract.ExitCode) and 
 JOBSET_NAME_ANNOTATION = "jobset.sigs.k8s.io/jobset-name"  # the JobSet controller sets it on every pod
 IN_PLACE_RESTART_ATTEMPT_ANNOTATION = "jobset.sigs.k8s.io/in-place-restart-attempt"  # the agent sets it on its pod
 IN_PLACE_STRATEGY = "InPlaceRestart"  # JobSet's failurePolicy.restartStrategy
+# The container restart rule's action (the operator's --in-place-restart-action): Restart (Kubernetes 1.35,
+# ContainerRestartRules, beta) goes through the kubelet's crash-loop back-off at every restart, the
+# agents' included (a second round within 10 minutes waits 10 s, a third 20 s); RestartAllContainers
+# (1.35 alpha: RestartAllContainersOnContainerExits, NodeDeclaredFeatures) starts the pod's containers
+# afresh, without it.
+InPlaceRestartAction = Literal["Restart", "RestartAllContainers"]
+IN_PLACE_RESTART_ACTIONS: tuple[InPlaceRestartAction, ...] = get_args(InPlaceRestartAction)
 JOB_BACKOFF_LIMIT_MAX = 2**31 - 1  # JobSet's InPlaceRestart requires it: a failed pod never fails its Job
 
 
@@ -181,7 +188,13 @@ def queue_name(tj: TrainingJob, default: str | None) -> str | None:
     return labelled or default or None
 
 
-def build_jobset(tj: TrainingJob, attempt: int, resume_step: int | None, queue: str | None = None) -> dict[str, Any]:
+def build_jobset(
+    tj: TrainingJob,
+    attempt: int,
+    resume_step: int | None,
+    queue: str | None = None,
+    restart_action: InPlaceRestartAction = "Restart",
+) -> dict[str, Any]:
     """With a queue, Kueue decides when the JobSet runs: it is created suspended, and its workers
     resume from the latest committed step (not a pinned one), since Kueue may preempt and resume
     the same JobSet after its pods saved a newer step on SIGTERM."""
@@ -241,7 +254,7 @@ def build_jobset(tj: TrainingJob, attempt: int, resume_step: int | None, queue: 
     # (found in GCS) into the workers' env and be classified and accounted for in status.
     failure_policy: dict[str, Any] = {"maxRestarts": 0}
     if tj.spec.restart.strategy == "InPlace":
-        failure_policy = _in_place(tj, container, pod_spec, job_spec, framework.entrypoint)
+        failure_policy = _in_place(tj, container, pod_spec, job_spec, framework.entrypoint, restart_action)
     return {
         "apiVersion": f"{JOBSET_GROUP}/{JOBSET_VERSION}",
         "kind": "JobSet",
@@ -302,6 +315,7 @@ def _in_place(
     pod_spec: dict[str, Any],
     job_spec: dict[str, Any],
     entrypoint: tuple[str, ...],
+    restart_action: InPlaceRestartAction,
 ) -> dict[str, Any]:
     """Make the attempt's pods restart in place (mutates the three dicts the builder made); the JobSet's
     failurePolicy. JobSet fails the attempt when one in-place restart more than inPlace.maxRestarts is
@@ -320,7 +334,7 @@ def _in_place(
     ]
     container["restartPolicy"] = "Never"
     container["restartPolicyRules"] = [
-        {"action": "Restart", "exitCodes": {"operator": "NotIn", "values": list(NOT_RESTARTED_EXIT_CODES)}}
+        {"action": restart_action, "exitCodes": {"operator": "NotIn", "values": list(NOT_RESTARTED_EXIT_CODES)}}
     ]
     pod_spec["automountServiceAccountToken"] = True  # the agent reads its JobSet and annotates its pod
     job_spec["backoffLimit"] = JOB_BACKOFF_LIMIT_MAX

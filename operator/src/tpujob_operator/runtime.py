@@ -23,7 +23,7 @@ from pydantic import ValidationError
 from . import api, checkpoints, policy
 from .apply import IN_PLACE_AGENT_ROLE, Applier, changes_the_world, is_acting
 from .facts import Actions, Event
-from .jobset import jobset_facts
+from .jobset import InPlaceRestartAction, jobset_facts
 from .kube import Cluster, Conflict, load_config
 from .memory import JobMemory, Memory
 from .metrics import OperatorMetrics
@@ -63,6 +63,7 @@ class RuntimeSettings:
     progress_check_seconds: float = PROGRESS_CHECK_SECONDS
     watch_kueue_workloads: bool = False  # Kueue's Workloads in a watch-fed index (handlers.py)
     in_place_agent_role: str = IN_PLACE_AGENT_ROLE  # bound to InPlace jobs' pods (apply.py)
+    in_place_restart_action: InPlaceRestartAction = "Restart"  # InPlace jobs' container restart rule (jobset.py)
 
 
 class Runtime:
@@ -89,7 +90,10 @@ class Runtime:
             default_queue=settings.default_queue,
         )
         self.applier = Applier(
-            self.cluster, on_gone=lambda: self.resync.request("404"), agent_role=settings.in_place_agent_role
+            self.cluster,
+            on_gone=lambda: self.resync.request("404"),
+            agent_role=settings.in_place_agent_role,
+            restart_action=settings.in_place_restart_action,
         )
 
     # -- clients -----------------------------------------------------------------------------------
