@@ -17,12 +17,14 @@ from tpujob_devcluster.podrunner import (
     REPO_ROOT,
     RESTART,
     RESTART_ALL,
+    VolumeMount,
     could_restart_all,
     empty_dir_mounts,
     exit_action,
     image_path,
     load_image_paths,
     matching_restart_rule,
+    mount_commands,
     pod_status,
     quantity_bytes,
     restart_backoff,
@@ -210,3 +212,19 @@ def test_each_image_finds_the_entrypoint_its_framework_declares(monkeypatch: pyt
     assert frameworks.adapter("maxtext").entrypoint[0] == "python3"  # what MaxText's venv has in bin/
     trainer = image_path("tpujob-trainer:dev", paths, sys.executable)
     assert (Path(trainer[0]) / frameworks.adapter("tpujob").entrypoint[0]).exists()  # the console script
+
+
+def test_a_volume_never_hides_the_hosts_files_the_container_runs_from(tmp_path: Path):
+    """The chart's operator mounts an emptyDir at /tmp; a checkout (and its venv) under /tmp must stay visible."""
+    (tmp_path / "venv").mkdir()
+    empty, missing = tmp_path / "empty", tmp_path / "missing"
+    empty.mkdir()
+    mounts = [
+        VolumeMount(
+            name=n, source=tmp_path / "src" / n, mount_path=str(p), memory=False, size_bytes=None, read_only=False
+        )
+        for n, p in (("tmp", tmp_path), ("empty", empty), ("local", missing))
+    ]
+    commands = " ".join(mount_commands(mounts))
+    assert str(empty) in commands and str(missing) in commands  # nothing of the host's there
+    assert f"mount --bind {tmp_path / 'src' / 'tmp'} " not in commands  # it would hide tmp_path/venv

@@ -25,7 +25,8 @@ A pod bound to one of the devcluster's nodes runs as a local process:
   namespace dies with its PID 1): no child outlives it;
 - emptyDir volumes live as long as the pod under <pod dir>/volumes/<uid>/<name> (medium Memory: a
   tmpfs, sizeLimit its size, mounted outside the container's mount namespace) and are bind-mounted at
-  their volumeMounts' mountPath (created when missing: there is no image filesystem to hold it);
+  their volumeMounts' mountPath (created when missing: there is no image filesystem to hold it), unless
+  the host has files there (hides_the_host: the host's filesystem is every container's image);
 - PATH: the image's entries from the image table (`path`), the runner's PATH, then the directory of
   JobSet's in-place-restart agent (--agent-dir), so `command: [in-place-restart-agent]` runs it;
 - securityContext (runAsNonRoot, runAsUser, capabilities, seccomp) is not applied: every process
@@ -383,10 +384,20 @@ def release_mounts_under(root: Path) -> None:
         subprocess.run(["umount", "-l", point], check=False)
 
 
+def hides_the_host(mount_path: str) -> bool:
+    """Whether a volume at `mount_path` would hide what the host has there. The host's filesystem is
+    every container's image here: a volume over a non-empty directory (the chart's emptyDir at /tmp,
+    with a checkout and its venv under /tmp) would hide the container's own interpreter."""
+    path = Path(mount_path)
+    return path.is_dir() and any(path.iterdir())
+
+
 def mount_commands(mounts: list[VolumeMount]) -> list[str]:
-    """Shell, run in the container's new mount namespace: bind each volume at its mountPath."""
+    """Shell, run in the container's new mount namespace: bind each volume at its mountPath, unless it
+    would hide the host's files there (the container then shares the host's directory, as before
+    volumes were mounted)."""
     commands = []
-    for m in mounts:
+    for m in (m for m in mounts if not hides_the_host(m.mount_path)):
         target = shlex.quote(m.mount_path)
         commands.append(f"mkdir -p {target} && mount --bind {shlex.quote(str(m.source))} {target}")
         if m.read_only:
