@@ -8,7 +8,7 @@ from tpujob_operator.facts import JobSetFacts, NodeFacts, Observed, PodFacts
 from tpujob_operator.jobset import IN_PLACE_RESTART_EXIT_CODE, jobset_facts
 from tpujob_operator.nodes import awaited_nodes
 from tpujob_operator.reconcile import reconcile
-from tpujob_operator.status import rfc3339_precise
+from tpujob_operator.status import rfc3339, rfc3339_precise
 
 from .factories import progress_record, training_job
 
@@ -187,3 +187,18 @@ def test_an_unrecorded_round_waits_for_word_from_the_kubelets_under_its_pods():
     heard = {**silent, "n0": NodeFacts("n0", ready="True", renewed=T0 + timedelta(seconds=2))}
     status, _ = reconcile(_job(), dataclasses.replace(observed, nodes=heard))
     assert (status.restarts, status.last_failure.kind) == (1, "ApplicationError")
+
+
+def test_the_recovery_deadline_does_not_run_while_storage_cannot_be_read():
+    tj, _ = _restarting()
+    late = T0 + timedelta(seconds=500)  # past the 120 s deadline
+    blind = dataclasses.replace(_observed(_jobset(pods=(_crashed(),)), now=late), storage_error="503")
+    status, actions = reconcile(tj, blind)
+    assert (status.attempt, status.restarts) == (0, 1) and actions.delete == []
+    assert status.phase == "Restarting" and _reason(status) == "StorageUnreachable"
+    # Storage back at 490 s: the deadline counts from then, not from the failure.
+    back = tj.model_copy(
+        update={"status": status.model_copy(update={"storage_recovery_time": rfc3339(late - timedelta(seconds=10))})}
+    )
+    status, actions = reconcile(back, _observed(_jobset(pods=(_crashed(),)), now=late))
+    assert status.attempt == 0 and actions.delete == []

@@ -364,11 +364,17 @@ def _with_later_resume_point(status: TrainingJobStatus, latest: int | None) -> N
     failure = status.last_failure
     if failure is None or status.phase != "Restarting" or failure.recovery_seconds is not None or latest is None:
         return
-    if failure.resume_step is not None and latest <= failure.resume_step:
+    _with_resume_point(status, failure, latest)
+
+
+def _with_resume_point(status: TrainingJobStatus, failure: FailureRecord, step: int) -> None:
+    """The failure resumed from `step` if it is later than the recorded resume point: the failure
+    record says so, and the steps it did not lose are given back."""
+    if failure.resume_step is not None and step <= failure.resume_step:
         return
-    lost = max(0, failure.step - latest) if failure.step is not None else None
+    lost = max(0, failure.step - step) if failure.step is not None else None
     status.lost_steps -= (failure.lost_steps or 0) - (lost or 0)
-    status.last_failure = failure.model_copy(update={"resume_step": latest, "lost_steps": lost})
+    status.last_failure = failure.model_copy(update={"resume_step": step, "lost_steps": lost})
 
 
 def final_step(tj: TrainingJob) -> int | None:
@@ -711,7 +717,9 @@ def _in_place(
     last = status.last_failure
     if last is None or last.rung != "InPlace" or last.recovery_seconds is not None or status.phase != "Restarting":
         return _while_active(tj, status, observed, actions, current)
-    since = parse_time(last.time) or now
+    if observed.storage_error is not None:  # progress unknown: _while_active says so, no clock decides
+        return _while_active(tj, status, observed, actions, current)
+    since = max(parse_time(last.time) or now, _clock_floor(status, current))
     if expired(now, since, rung.recovery_deadline_seconds):
         message = (
             f"no step trained {rung.recovery_deadline_seconds}s after the in-place restart that followed "
@@ -753,13 +761,8 @@ def _with_restored_step(status: TrainingJobStatus, observed: Observed) -> None:
     if failure is None or failure.rung != "InPlace" or progress is None or progress.attempt != status.attempt:
         return
     restored = progress.restored_step
-    if restored is None or not recovering_record(failure, progress):
-        return
-    if failure.resume_step is not None and restored <= failure.resume_step:
-        return
-    lost = max(0, failure.step - restored) if failure.step is not None else None
-    status.lost_steps -= (failure.lost_steps or 0) - (lost or 0)
-    status.last_failure = failure.model_copy(update={"resume_step": restored, "lost_steps": lost})
+    if restored is not None and recovering_record(failure, progress):
+        _with_resume_point(status, failure, restored)
 
 
 def _bucket(tj: TrainingJob) -> str:
