@@ -237,8 +237,10 @@ def scenario_long_scheduling(e2e: E2E) -> None:
 def scenario_suspend_across_hang_timeout(e2e: E2E) -> None:
     """spec.suspend while training, suspended for longer than hangTimeoutSeconds, resumed: nothing
     counted, no failure recorded, and training never goes back past what was committed."""
-    name, hang = "pause", 45
-    e2e.apply(name, STEPS, restart={"hangTimeoutSeconds": hang, "maxRestarts": 0}, **V5E)
+    # Fewer steps than the others and a longer wait: its clock runs on after a minute suspended, with
+    # the matrix's other jobs sharing the CPUs.
+    name, hang, steps = "pause", 45, 3500
+    e2e.apply(name, steps, restart={"hangTimeoutSeconds": hang, "maxRestarts": 0}, **V5E)
     _training(e2e, name)
     sampler = Sampler(lambda: e2e.status(name))
     try:
@@ -258,7 +260,7 @@ def scenario_suspend_across_hang_timeout(e2e: E2E) -> None:
         committed_in_suspension = e2e.latest_committed(name)
         e2e.patch_spec(name, suspend=False)
         resumed = time.monotonic()
-        status = _succeeded(e2e, name, STEPS)
+        status = _succeeded(e2e, name, steps, timeout=540)
     finally:
         samples = sampler.stop()
     assert (status["restarts"], status["countedRestarts"]) == (0, 0), status

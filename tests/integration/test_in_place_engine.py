@@ -13,7 +13,9 @@ Stand-ins, named as such: kwok nodes for TPU VMs, the pod runner for kubelet + c
 
 from __future__ import annotations
 
+import shutil
 import time
+import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, TypeVar
@@ -33,7 +35,9 @@ POOLS = {
     "system_nodes": 1,
 }
 RESTART_EXIT_CODE = 42
-SCRATCH = "/tmp/tpujob-in-place-scratch"  # the emptyDir's mountPath (created in the pod's mount namespace)
+# The emptyDir's mountPath, created on the host by the pod runner's mkdir. Its own per run: the pod
+# runner shares a host directory that already holds files instead of hiding it (podrunner.hides_the_host).
+SCRATCH = f"/tmp/tpujob-in-place-scratch-{uuid.uuid4().hex[:8]}"
 WORKER_SLEEP = "3017"  # a worker that would outlive the agent if its process group were not killed
 # Runs under the agent (`sh -c`): the first run on s0 fails, every second run succeeds because the
 # marker the first run left in the emptyDir is still there.
@@ -56,6 +60,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DevCluster]:
         yield devcluster
     finally:
         devcluster.stop()
+        shutil.rmtree(SCRATCH, ignore_errors=True)
 
 
 def eventually(probe: Callable[[], T | None], timeout: float, what: str, interval: float = 0.2) -> T:
@@ -236,6 +241,7 @@ def test_jobset_restarts_every_pod_in_place_with_the_real_agent(cluster: DevClus
         # The second run found the first run's marker: the emptyDir outlived the container.
         assert f"second run, marker: first run of {slice_name}" in log, log[-2000:]
     assert not worker_processes(), "a worker outlived its agent"
+    assert not Path(SCRATCH, "ran").exists(), "the workers wrote to the host, not to their volume"
     # The pods go, and their volumes with them. (The pods themselves, not the JobSet: the garbage
     # collector maps a new CRD's kind only at its next discovery pass, up to 30 s.)
     core.delete_collection_namespaced_pod(namespace, label_selector=selector)

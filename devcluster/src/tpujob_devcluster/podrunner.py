@@ -397,7 +397,10 @@ def mount_commands(mounts: list[VolumeMount]) -> list[str]:
     would hide the host's files there (the container then shares the host's directory, as before
     volumes were mounted)."""
     commands = []
-    for m in (m for m in mounts if not hides_the_host(m.mount_path)):
+    for m in mounts:
+        if hides_the_host(m.mount_path):
+            log.warning("volume %s not mounted at %s: the host has files there", m.source, m.mount_path)
+            continue
         target = shlex.quote(m.mount_path)
         commands.append(f"mkdir -p {target} && mount --bind {shlex.quote(str(m.source))} {target}")
         if m.read_only:
