@@ -157,6 +157,12 @@ class Seen:
     trainer_last_step_attempt0: int | None = None  # attempt 0's last progress record (after the kill too)
     resumed: contract.ProgressRecord | None = None  # attempt 1's record, once it trained a step
     failure: dict[str, Any] | None = None  # status.lastFailure of the kill (not of any later failure)
+    # The picture's time series, in seconds since started_at (the demo's clock: the kill's, the trainer's
+    # record's and the apiserver's times are all this host's): the trainer's (attempt, step) as its record
+    # first showed it, and each committed step as the demo first found it in the bucket.
+    started_at: datetime | None = None
+    samples: list[tuple[float, int, int]] = field(default_factory=list)  # (seconds, attempt, step)
+    commits_at: list[tuple[float, int]] = field(default_factory=list)  # (seconds, committed step)
 
     def saw_failure(self, failure: dict[str, Any] | None) -> None:
         """Follow the first failure recorded after the kill as the operator completes its timeline."""
@@ -165,10 +171,24 @@ class Seen:
         if self.failure is None or self.failure.get("time") == failure.get("time"):
             self.failure = failure
 
-    def saw_commits(self, steps: list[int]) -> bool:
+    def saw_commits(self, steps: list[int], at: datetime | None = None) -> bool:
         new = [s for s in sorted(steps) if s not in self.committed]
         self.committed.extend(new)
+        if at is not None:
+            self.commits_at.extend((self.seconds(at), s) for s in new)
         return bool(new)
+
+    def saw_progress(self, record: contract.ProgressRecord) -> None:
+        """A sample when the trainer's record shows a new (attempt, step), at the record's own time (the
+        step's, not the demo's poll's)."""
+        if self.samples and self.samples[-1][1:] == (record.attempt, record.step):
+            return
+        self.samples.append((self.seconds(record.updated), record.attempt, record.step))
+
+    def seconds(self, at: datetime) -> float:
+        if self.started_at is None:
+            self.started_at = at
+        return round((at - self.started_at).total_seconds(), 2)
 
     @property
     def advances(self) -> int:
@@ -328,6 +348,12 @@ def report_data(status: dict[str, Any], seen: Seen, name: str = "demo") -> dict[
     ]
     stages = stage_durations(events)
     ledger = ledger_of(status.get("goodput"))
+    run = {
+        "started_at": seen.started_at.isoformat() if seen.started_at else None,
+        "kill_s": seen.seconds(seen.kill_time) if seen.kill_time and seen.started_at else None,
+        "samples": [list(sample) for sample in seen.samples],
+        "commits": [list(commit) for commit in seen.commits_at],
+    }
     return {
         "job": f"{NAMESPACE}/{name}",
         "phase": status.get("phase"),
@@ -361,6 +387,7 @@ def report_data(status: dict[str, Any], seen: Seen, name: str = "demo") -> dict[
             "parts_seconds": round(ledger.parts, 1),
             "adds_up": ledger.adds_up,
         },
+        "run": run,  # the picture's data (picture.py): times in seconds since run.started_at
     }
 
 
@@ -542,7 +569,7 @@ def run_demo(state_dir: Path) -> int:
         _delete_previous(custom, gcs, name, run_dir)
         custom.create_namespaced_custom_object(*TRAININGJOBS, manifest)
         print(f"applied {DEMO_MANIFEST.name} ({total_steps} steps, 2 slices x 2 hosts)", flush=True)
-        seen = Seen()
+        seen = Seen(started_at=datetime.now(UTC))
         start = time.monotonic()
         commit_times: list[float] = []
         kill_due: float | None = None
@@ -551,10 +578,12 @@ def run_demo(state_dir: Path) -> int:
             while time.monotonic() - start < DEMO_TIMEOUT_S:
                 tj = custom.get_namespaced_custom_object(*TRAININGJOBS, name)
                 status = tj.get("status") or {}
-                if seen.saw_commits(committed_steps(gcs, run_dir, seen.committed)):
+                if seen.saw_commits(committed_steps(gcs, run_dir, seen.committed), datetime.now(UTC)):
                     commit_times.append(time.monotonic())
                 seen.saw_failure(status.get("lastFailure"))
                 progress = read_progress(gcs, run_dir)  # the trainer's own record, not the status
+                if progress is not None:
+                    seen.saw_progress(progress)
                 if progress is not None and progress.attempt == 0:
                     seen.trainer_last_step_attempt0 = progress.step
                 if seen.resumed is None and progress is not None and progress.attempt >= 1 and progress.first_step_at:
@@ -580,19 +609,34 @@ def run_demo(state_dir: Path) -> int:
                     live.say(f"SIGKILL {seen.killed_pod} (trainer at step {progress.step})")
                 time.sleep(0.3)
         final = read_progress(gcs, run_dir)
+        if final is not None:
+            seen.saw_progress(final)
         if final is not None and final.attempt == 1:
             seen.resumed = final  # the start-up timestamps of attempt 1 are kept in every record of it
         data = report_data(tj.get("status") or {}, seen, name)
         (state_dir / "demo-report.json").write_text(json.dumps(data, indent=2))
         print("\n" + format_report(data))
+        picture = _draw(data, state_dir / "demo-report.png")
         ok = passed(data)
-        print(f"\ndemo {'passed' if ok else 'FAILED'} (JSON: {state_dir / 'demo-report.json'})")
+        print(f"\ndemo {'passed' if ok else 'FAILED'} (JSON: {state_dir / 'demo-report.json'}{picture})")
         if not ok:
             print(f"pod logs (operator and workers): {state_dir / 'pods'}/<namespace>/<pod>/log")
         return 0 if ok else 1
     finally:
         if cluster is not None:
             cluster.stop()
+
+
+def _draw(data: dict[str, Any], path: Path) -> str:
+    """The picture, next to the JSON; it is no part of the verdict, so nothing it raises fails the demo."""
+    try:
+        from .picture import draw_report  # matplotlib is imported only here
+
+        draw_report(data, path)
+    except Exception as error:  # any: a picture that cannot be drawn is logged, the demo goes on
+        print(f"the picture was not drawn: {error!r}", flush=True)
+        return ""
+    return f", picture: {path}"
 
 
 def _delete_previous(custom: client.CustomObjectsApi, gcs: Any, name: str, run_dir: str) -> None:
