@@ -97,7 +97,7 @@ def _sections(path: str, node: dict[str, Any], out: list[str]) -> None:
         if anchor:
             typ = f"[{typ}](#{_anchor(child_path)})"
             nested.append((child_path, child))
-        description = _cell(("**Required.** " if name in required else "") + child.get("description", ""))
+        description = ("**Required.** " if name in required else "") + _cell(child.get("description", ""))
         what = [w for w in (description, *_constraints(child)) if w]
         default = _code(child["default"]) if "default" in child else ""
         out.append(f"| `{name}` | {typ} | {default} | {'<br>'.join(what)} |")
