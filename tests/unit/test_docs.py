@@ -7,9 +7,11 @@ list kept here, so a new reason without an entry fails this test.
 from __future__ import annotations
 
 import ast
+import importlib.util
 import re
 from collections.abc import Iterator
 from pathlib import Path
+from types import ModuleType
 
 from tpujob_operator import api, apidocs, metrics, nodes, reconcile, restarts
 from tpujob_operator.crd import build_crd
@@ -163,3 +165,28 @@ def test_the_api_reference_is_generated_from_the_crd_and_names_every_field() -> 
     for model, prefix in ((api.TrainingJobSpec, "spec"), (api.TrainingJobStatus, "status")):
         for name, field in model.model_fields.items():
             assert f"| `{field.alias or name}` |" in committed, f"{prefix}.{field.alias or name}"
+
+
+def _hooks() -> ModuleType:
+    spec = importlib.util.spec_from_file_location("mkdocs_hooks", ROOT / "devcluster" / "mkdocs_hooks.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_links_to_repository_files_are_checked_against_the_tree_and_pointed_at_the_repository() -> None:
+    hooks = _hooks()
+    page = (
+        "[values](../../charts/tpujob/values.yaml#L1) [gone](../../operator/gone.py) [page](../troubleshooting.md)\n"
+        "`[not a link](../../nowhere.py)` [`examples`](../../examples) [web](https://example.com/x.py)\n"
+        "```\n[in a block](../../nowhere.py)\n```\n"
+    )
+    text, missing = hooks.rewrite(page, "concepts/x.md", ROOT, "https://github.com/o/tpujob")
+    assert missing == ["../../operator/gone.py"]
+    assert "[values](https://github.com/o/tpujob/blob/main/charts/tpujob/values.yaml#L1)" in text
+    assert "[`examples`](https://github.com/o/tpujob/tree/main/examples)" in text
+    assert "[page](../troubleshooting.md)" in text and "[web](https://example.com/x.py)" in text
+    assert "`[not a link](../../nowhere.py)`" in text and "[in a block](../../nowhere.py)" in text
+    # Without a repository URL the link becomes its text: the site has nowhere to point it.
+    assert hooks.rewrite("[v](../charts/tpujob/values.yaml)", "index.md", ROOT, "")[0] == "v"
