@@ -193,7 +193,7 @@ class Job:
             capture_output=True,
             text=True,
             timeout=120,
-            check=True,
         )
+        assert out.returncode == 0, f"digest of step {step} failed: {out.stderr[-3000:]}"
         result: dict[str, str] = json.loads(out.stdout.strip().splitlines()[-1])
         return result

@@ -351,11 +351,16 @@ def _save_final_tries(
 ) -> bool:
     for attempt in range(1, FINAL_SAVE_TRIES + 1):
         try:
-            if attempt > 1:
-                mngr.reload()  # forget a step whose save failed after Orbax had listed it
-            if step not in mngr.all_steps():
-                mngr.save(step, args=ocp.args.StandardSave(state), force=True)
+            # Every process decides alike whether to save again, on what storage holds once every
+            # save in flight ended (the primary's commit included: agree_all is a collective). A
+            # process that saw `step` listed while another did not would skip a save the other
+            # makes, and Orbax would remove the step's directory, that process's shards with it.
             mngr.wait_until_finished()
+            checkpointing.agree_all(True)
+            mngr.reload()  # forget a step whose save failed after Orbax had listed it
+            if not checkpointing.agree_all(step in mngr.all_steps()):
+                mngr.save(step, args=ocp.args.StandardSave(state), force=True)
+                mngr.wait_until_finished()
             if checkpointing.agree_all(_committed(mngr, step)):
                 return True
             error = "no commit marker after the save"
