@@ -10,9 +10,9 @@ PY := $(VENV)/bin/python
 DEPS_STAMP := $(VENV)/.deps-$(shell cat requirements-dev.txt contract/pyproject.toml operator/pyproject.toml trainer_image/pyproject.toml devcluster/pyproject.toml | sha1sum | cut -c1-12)
 PYTEST_ARGS ?=
 
-.PHONY: setup venv binaries tools maxtext-venv checkov-venv docs-venv crds lint test test-unit test-integration test-trainer up down demo bench bench-recovery bench-scale clean
+.PHONY: setup venv binaries tools prometheus maxtext-venv checkov-venv docs-venv crds lint test test-unit test-integration test-trainer up down demo bench bench-recovery bench-scale clean
 
-setup: venv binaries tools
+setup: venv binaries tools prometheus
 
 venv: $(DEPS_STAMP)
 $(DEPS_STAMP):
@@ -25,6 +25,10 @@ binaries:
 
 tools:
 	devcluster/tools.sh >/dev/null
+
+# Prometheus and promtool (Apache-2.0) from the Go module proxy: about 6 min once, cached by version.
+prometheus:
+	devcluster/prometheus.sh >/dev/null
 
 # MaxText (PyPI, unchanged) in a Python 3.12 venv for the devcluster's MaxText image: 4-9 min and 2.2 GB
 # once (downloads included, on 2 busy cores), then cached under $(TPUJOB_CACHE)/maxtext by version.
@@ -44,13 +48,14 @@ docs-venv:
 # checkov renders nothing itself: it reads the chart as helm renders it, with the defaults and with every
 # optional object on. Skips, each with its reason: .checkov.yaml. Offline: no API key (BC_API_KEY unset,
 # HOME an empty folder so no ~/.bridgecrew/credentials), no guideline or policy download, no version check.
-CHECKOV_FEATURES := --set kueue.enabled=true --set 'watchNamespaces={a,b}' --set metrics.serviceMonitor.enabled=true
+CHECKOV_FEATURES := --set kueue.enabled=true --set 'watchNamespaces={a,b}' --set metrics.serviceMonitor.enabled=true \
+  --set metrics.prometheusRule.enabled=true --set metrics.dashboard.enabled=true
 
 crds: venv
 	$(PY) -m tpujob_operator.crd
 	$(PY) -m tpujob_operator.apidocs
 
-lint: venv tools checkov-venv docs-venv
+lint: venv tools prometheus checkov-venv docs-venv
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/mypy
@@ -61,6 +66,9 @@ lint: venv tools checkov-venv docs-venv
 	NO_MKDOCS_2_WARNING=1 "$$(devcluster/docs_venv.sh)/mkdocs" build --strict --site-dir "$$rendered/site" && rm -rf "$$rendered/site" && \
 	"$$helm" template tpujob charts/tpujob -n tpujob-system > "$$rendered/default.yaml" && \
 	"$$helm" template tpujob charts/tpujob -n tpujob-system $(CHECKOV_FEATURES) > "$$rendered/features.yaml" && \
+	"$$helm" template tpujob charts/tpujob --set metrics.prometheusRule.enabled=true -s templates/prometheusrule.yaml | \
+	  $(PY) -c 'import sys, yaml; print(yaml.safe_dump(yaml.safe_load(sys.stdin)["spec"]))' > "$$rendered/rules.yml" && \
+	"$$(devcluster/prometheus.sh)/promtool" check rules "$$rendered/rules.yml" && rm "$$rendered/rules.yml" && \
 	mkdir "$$rendered/home" && env -u BC_API_KEY HOME="$$rendered/home" BC_SKIP_MAPPING=TRUE \
 	  CKV_SKIP_PACKAGE_UPDATE_CHECK=TRUE "$$(devcluster/checkov_venv.sh)" --config-file .checkov.yaml \
 	  -d "$$rendered" --framework kubernetes --skip-download --quiet --compact

@@ -11,6 +11,7 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.parser import text_string_to_metric_families
 from tpujob_operator import __main__ as main
 from tpujob_operator import api
+from tpujob_operator import metrics as metrics_module
 from tpujob_operator.api import RECREATE
 from tpujob_operator.facts import JobSetFacts, Observed, PodFacts
 from tpujob_operator.metrics import BADPUT_CAUSES, OperatorMetrics
@@ -267,3 +268,57 @@ def test_an_in_place_restart_is_counted_under_its_rung(metrics):
     labels = {**JOB, "kind": "ApplicationError", "counted": "true"}
     assert sample(metrics, "tpujob_restarts_total", **labels, rung="InPlace") == 1
     assert sample(metrics, "tpujob_restarts_total", **labels, rung=RECREATE) is None
+
+
+def test_the_limits_the_alert_rules_compare_with_are_gauges_of_each_live_job(metrics, clock):
+    spec = {"restart": {"hangTimeoutSeconds": 600, "maxRestarts": 5}}
+    cadence = {"intervalSeconds": 40.0, "saveCostSeconds": 2.5, "overheadPercent": 1.5}
+    progress = rfc3339(T0 - timedelta(seconds=90))
+    tj = training_job(status={"phase": "Running", "countedRestarts": 2}, **spec)
+    running = tj.status.model_copy(
+        update={"last_progress_time": progress, "checkpoint_cadence": api.CheckpointCadence.model_validate(cadence)}
+    )
+    metrics.observe_reconcile("ml", "llama", tj.status, running, T0, tj.spec)
+
+    assert sample(metrics, "tpujob_seconds_since_progress", **JOB) == 90
+    assert sample(metrics, "tpujob_hang_timeout_seconds", **JOB) == 600
+    assert (sample(metrics, "tpujob_counted_restarts", **JOB), sample(metrics, "tpujob_max_restarts", **JOB)) == (2, 5)
+    assert sample(metrics, "tpujob_checkpoint_interval_seconds", **JOB) == 40
+    assert sample(metrics, "tpujob_checkpoint_save_seconds", **JOB) == 2.5
+    assert sample(metrics, "tpujob_checkpoint_overhead_ratio", **JOB) == pytest.approx(0.015)
+    # Suspended: no step is expected, so no age of the last one; the limits stay.
+    suspended = running.model_copy(update={"phase": "Suspended"})
+    metrics.observe_reconcile("ml", "llama", running, suspended, T0, tj.spec)
+    assert sample(metrics, "tpujob_seconds_since_progress", **JOB) is None
+    assert sample(metrics, "tpujob_hang_timeout_seconds", **JOB) == 600
+    # Before the trainer reports a cadence, its gauges are absent rather than 0.
+    metrics.observe_reconcile("ml", "other", tj.status, tj.status, T0, tj.spec)
+    assert sample(metrics, "tpujob_checkpoint_interval_seconds", namespace="ml", name="other") is None
+    metrics.forget("ml", "llama")
+    assert sample(metrics, "tpujob_max_restarts", **JOB) is None
+
+
+def test_the_leader_gauge_is_set_once_the_process_leads(metrics):
+    assert sample(metrics, "tpujob_leader") == 0
+    metrics.mark_leading()
+    assert sample(metrics, "tpujob_leader") == 1
+
+
+def test_a_recovery_is_observed_stage_by_stage_and_the_stages_add_up_to_it(metrics):
+    at = [rfc3339(T0 + timedelta(seconds=s)) for s in (0, 2, 5, 9, 20, 42)]
+    timeline = api.FailureTimeline(failed=at[0], detected=at[1], job_set_created=at[2], pods_scheduled=at[3],
+                                   restored=at[4], first_new_step=at[5])  # fmt: skip
+    failure = api.FailureRecord(time=at[0], kind="ApplicationError", reason="ExitCode1", timeline=timeline)
+    before = api.TrainingJobStatus(phase="Restarting", last_failure=failure)
+    after = before.model_copy(update={"last_failure": failure.model_copy(update={"recovery_seconds": 42.0})})
+    metrics.observe_reconcile("ml", "llama", before, after, T0 + timedelta(seconds=45))
+    metrics.observe_reconcile("ml", "llama", after, after, T0 + timedelta(seconds=50))  # seen again: not counted
+
+    stage = "tpujob_recovery_stage_seconds_sum"
+    sums = {s: sample(metrics, stage, stage=s, rung=RECREATE) for s in metrics_module.RECOVERY_STAGES}
+    assert sums == {"detect": 2, "replace": 3, "schedule": 4, "restore": 11, "first_step": 22}
+    assert sum(v or 0 for v in sums.values()) == 42
+    assert sample(metrics, "tpujob_recovery_stage_seconds_count", stage="detect", rung=RECREATE) == 1
+    # In place: no new JobSet and no scheduling; what they would have ended is counted in the next stage.
+    in_place = api.FailureTimeline(failed=at[0], detected=at[1], restored=at[4], first_new_step=at[5])
+    assert metrics_module.recovery_stages(in_place) == {"detect": 2, "restore": 18, "first_step": 22}

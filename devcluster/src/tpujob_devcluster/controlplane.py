@@ -28,6 +28,7 @@ from .certs import PkiFiles, make_pki
 REPO_ROOT = Path(__file__).resolve().parents[3]
 BUILD_SCRIPT = REPO_ROOT / "devcluster" / "build.sh"
 TOOLS_SCRIPT = REPO_ROOT / "devcluster" / "tools.sh"
+PROMETHEUS_SCRIPT = REPO_ROOT / "devcluster" / "prometheus.sh"
 SERVICE_CIDR = "10.96.0.0/24"  # allocation range only: no traffic is ever sent to it
 # Kubernetes 1.35's container restart rules (KEP-5307, beta, on by default in 1.35: named so that
 # the apiserver never drops a container's restartPolicy/restartPolicyRules, as it does with the gate
@@ -78,6 +79,11 @@ def build_binaries(components: str | None = None) -> Path:
 def tools_dir() -> Path:
     """kubectl and helm from devcluster/tools.sh."""
     return _script_output_dir(TOOLS_SCRIPT)
+
+
+def prometheus_dir() -> Path:
+    """prometheus and promtool from devcluster/prometheus.sh (built once, minutes)."""
+    return _script_output_dir(PROMETHEUS_SCRIPT)
 
 
 @dataclass

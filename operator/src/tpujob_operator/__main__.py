@@ -125,6 +125,7 @@ async def run(args: argparse.Namespace) -> None:
         log.info("campaigning as %s for Lease %s/%s", settings.identity, settings.namespace, settings.lease_name)
         elector.start()
         await leader.wait_until_leading(elector, args.liveness)
+    metrics.mark_leading()
     if args.metrics_port:  # only the leader reconciles, so only it has metrics to serve
         try:
             metrics.serve(args.metrics_port)

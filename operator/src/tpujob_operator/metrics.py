@@ -32,6 +32,7 @@ from wsgiref.simple_server import WSGIServer
 from prometheus_client import (
     CollectorRegistry,
     Counter,
+    Gauge,
     GCCollector,
     Histogram,
     PlatformCollector,
@@ -56,6 +57,17 @@ TERMINAL_PHASES: tuple[api.Phase, ...] = ("Succeeded", "Failed")
 # `cause` label values: the api.Badput field names without `_seconds` (scheduling, checkpoint_save, ...).
 BADPUT_CAUSES: dict[str, str] = {field: field.removesuffix("_seconds") for field in api.Badput.model_fields}
 COUNTER_RETENTION_SECONDS = 900.0
+# Per live job, what the alert rules compare with: `tpujob_<field>` (a _Limits field), its help.
+LIMIT_GAUGES: dict[str, str] = {
+    "hang_timeout_seconds": "spec.restart.hangTimeoutSeconds of a live TrainingJob.",
+    "max_restarts": "spec.restart.maxRestarts of a live TrainingJob: the restart budget.",
+    "counted_restarts": "Restarts of a live TrainingJob that counted against its budget (status.countedRestarts).",
+    "checkpoint_interval_seconds": "Seconds between checkpoint save starts in force for a live TrainingJob's "
+    "current attempt (status.checkpointCadence.intervalSeconds); absent before the trainer reports it.",
+    "checkpoint_save_seconds": "Measured cost of one checkpoint save (status.checkpointCadence.saveCostSeconds).",
+    "checkpoint_overhead_ratio": "Measured step-time overhead of saving in the current attempt, as a ratio "
+    "(status.checkpointCadence.overheadPercent / 100).",
+}
 
 # Failure (the failed pod's finish time, whole seconds) -> the reconcile that decided: seconds.
 DETECTION_BUCKETS = (0.25, 0.5, 1, 2, 3, 5, 10, 20, 30, 60, 120, 300, 600)
@@ -81,12 +93,41 @@ class _Goodput:
 
 
 @dataclass(frozen=True, slots=True)
+class _Limits:
+    """What the alert rules compare a job's numbers with: its spec's limits, its cadence in force."""
+
+    hang_timeout_seconds: float
+    max_restarts: int
+    counted_restarts: int
+    checkpoint_interval_seconds: float | None
+    checkpoint_save_seconds: float | None
+    checkpoint_overhead_ratio: float | None
+
+    @classmethod
+    def of(cls, spec: api.TrainingJobSpec | None, status: api.TrainingJobStatus) -> _Limits | None:
+        if spec is None:
+            return None
+        cadence = status.checkpoint_cadence
+        overhead = cadence.overhead_percent if cadence is not None else None
+        return cls(
+            hang_timeout_seconds=float(spec.restart.hang_timeout_seconds),
+            max_restarts=spec.restart.max_restarts,
+            counted_restarts=status.counted_restarts,
+            checkpoint_interval_seconds=cadence.interval_seconds if cadence is not None else None,
+            checkpoint_save_seconds=cadence.save_cost_seconds if cadence is not None else None,
+            checkpoint_overhead_ratio=overhead / 100 if overhead is not None else None,
+        )
+
+
+@dataclass(frozen=True, slots=True)
 class _LiveJob:
-    """What the scrape-time gauges need of one live job's last status."""
+    """What the scrape-time gauges need of one live job's last status (and its spec's limits)."""
 
     phase: api.Phase | None
     goodput: _Goodput | None
     checkpoint_time: datetime | None
+    progress_time: datetime | None = None
+    limits: _Limits | None = None
 
 
 def detection_seconds(failure: api.FailureRecord, now: datetime) -> float | None:
@@ -96,6 +137,32 @@ def detection_seconds(failure: api.FailureRecord, now: datetime) -> float | None
     if failed is None:
         return None
     return max(0.0, (detected - failed).total_seconds())
+
+
+# A recovery's stages: the timeline's stamp that ends each one (it starts at the previous stamp present).
+RECOVERY_STAGES: dict[str, str] = {
+    "detect": "detected",
+    "replace": "job_set_created",
+    "schedule": "pods_scheduled",
+    "restore": "restored",
+    "first_step": "first_new_step",
+}
+
+
+def recovery_stages(timeline: api.FailureTimeline) -> dict[str, float]:
+    """Seconds of each stage of a recovery, from the failure to the first new step. A stage whose end
+    was not recorded (InPlace creates no JobSet) is left out, and the next one starts where the last
+    recorded one ended, so the stages add up to the whole recovery."""
+    stages: dict[str, float] = {}
+    start = parse_time(timeline.failed)
+    for stage, stamp in RECOVERY_STAGES.items():
+        end = parse_time(getattr(timeline, stamp))
+        if end is None:
+            continue
+        if start is not None:
+            stages[stage] = max(0.0, (end - start).total_seconds())
+        start = end
+    return stages
 
 
 def first_recovery(before: api.TrainingJobStatus, after: api.TrainingJobStatus) -> float | None:
@@ -152,10 +219,24 @@ class OperatorMetrics:
             buckets=RECOVERY_BUCKETS,
             registry=registry,
         )
+        self.recovery_stage = Histogram(
+            "tpujob_recovery_stage_seconds",
+            "One stage of a recovery (status.lastFailure.timeline): detect (failure to decision), replace (to the "
+            "new JobSet), schedule (to every pod placed), restore (to the checkpoint restored), first_step (to "
+            "the first step trained), by stage and rung.",
+            ["stage", "rung"],
+            buckets=RECOVERY_BUCKETS,
+            registry=registry,
+        )
         self.reconcile_duration = Histogram(
             "tpujob_reconcile_duration_seconds",
             "Duration of one reconcile of one TrainingJob (API reads, checkpoint storage reads, writes).",
             buckets=RECONCILE_BUCKETS,
+            registry=registry,
+        )
+        self.leader = Gauge(
+            "tpujob_leader",
+            "1 while this operator process leads (holds the Lease, or runs without election) and reconciles.",
             registry=registry,
         )
         self.reconcile_errors = Counter(
@@ -166,9 +247,16 @@ class OperatorMetrics:
         registry.register(_LiveJobsCollector(self))
 
     def observe_reconcile(
-        self, namespace: str, name: str, before: api.TrainingJobStatus, after: api.TrainingJobStatus, now: datetime
+        self,
+        namespace: str,
+        name: str,
+        before: api.TrainingJobStatus,
+        after: api.TrainingJobStatus,
+        now: datetime,
+        spec: api.TrainingJobSpec | None = None,
     ) -> None:
-        """A reconcile read `before` and wrote `after` (its decision is stored): count what changed."""
+        """A reconcile read `before` and wrote `after` (its decision is stored): count what changed.
+        `spec` gives the limits the alert rules compare with (hang timeout, restart budget)."""
         key = (namespace, name)
         failure = decided_failure(before, after)
         if after.restarts > before.restarts:
@@ -185,7 +273,10 @@ class OperatorMetrics:
             self.failure_detection.labels(failure.kind).observe(seconds)
         recovery = first_recovery(before, after)
         if recovery is not None and after.last_failure is not None:
-            self.recovery.labels(after.last_failure.kind, after.last_failure.rung or RECREATE).observe(recovery)
+            rung = after.last_failure.rung or RECREATE
+            self.recovery.labels(after.last_failure.kind, rung).observe(recovery)
+            for stage, seconds in recovery_stages(after.last_failure.timeline).items():
+                self.recovery_stage.labels(stage, rung).observe(seconds)
         checkpoint = after.latest_checkpoint
         with self._lock:
             self._expiring.pop(key, None)
@@ -196,6 +287,8 @@ class OperatorMetrics:
                     phase=after.phase,
                     goodput=_Goodput.of(after.goodput),
                     checkpoint_time=parse_time(checkpoint.time) if checkpoint is not None else None,
+                    progress_time=parse_time(after.last_progress_time),
+                    limits=_Limits.of(spec, after),
                 )
             self._purge()
 
@@ -210,6 +303,10 @@ class OperatorMetrics:
             raise
         finally:
             self.reconcile_duration.observe(time.perf_counter() - started)
+
+    def mark_leading(self) -> None:
+        """This process leads from now on (it exits when it loses the Lease, so there is no way back to 0)."""
+        self.leader.set(1)
 
     def observe_error(self) -> None:
         """A reconcile failed (an exception the caller caught or re-raises)."""
@@ -280,7 +377,23 @@ class OperatorMetrics:
             "(status.latestCheckpoint.time); absent before the first one.",
             labels=JOB_LABELS,
         )
+        since_progress = GaugeMetricFamily(
+            "tpujob_seconds_since_progress",
+            "Seconds since a Running TrainingJob's trainer last reported a step (status.lastProgressTime); "
+            "absent in other phases, where no step is expected.",
+            labels=JOB_LABELS,
+        )
+        limits = {
+            field: GaugeMetricFamily(f"tpujob_{field}", help_text, labels=JOB_LABELS)
+            for field, help_text in LIMIT_GAUGES.items()
+        }
         for (namespace, name), job in sorted(jobs.items()):
+            if job.phase == "Running" and job.progress_time is not None:
+                since_progress.add_metric([namespace, name], max(0.0, now - job.progress_time.timestamp()))
+            if job.limits is not None:
+                for field, family in limits.items():
+                    if (value := getattr(job.limits, field)) is not None:
+                        family.add_metric([namespace, name], float(value))
             if job.goodput is not None:
                 if job.goodput.ratio is not None:
                     ratio.add_metric([namespace, name], job.goodput.ratio)
@@ -289,7 +402,7 @@ class OperatorMetrics:
                     badput.add_metric([namespace, name, cause], seconds)
             if job.checkpoint_time is not None:
                 since.add_metric([namespace, name], max(0.0, now - job.checkpoint_time.timestamp()))
-        return [by_phase, ratio, productive, badput, since]
+        return [by_phase, ratio, productive, badput, since, since_progress, *limits.values()]
 
 
 class _LiveJobsCollector(Collector):

@@ -249,7 +249,7 @@ class Runtime:
         # write fails (Conflict) and nothing below runs. If a later step fails, the next reconcile still
         # knows the attempt it is on. Status that changed only by the goodput clock waits a while.
         body = self.applier.status(job, body, status, is_acting(actions))
-        self.metrics.observe_reconcile(tj.namespace, tj.name, tj.status, status, datetime.now(UTC))
+        self.metrics.observe_reconcile(tj.namespace, tj.name, tj.status, status, datetime.now(UTC), tj.spec)
         # Then, in the order Actions names: the failed attempt's JobSet is gone before its replacement
         # exists; the Events come before the suspension they announce.
         self.applier.tear_down(key, job, actions)
