@@ -14,7 +14,7 @@ from tpujob_operator import api
 from tpujob_operator import metrics as metrics_module
 from tpujob_operator.api import RECREATE
 from tpujob_operator.facts import JobSetFacts, Observed, PodFacts
-from tpujob_operator.metrics import BADPUT_CAUSES, OperatorMetrics
+from tpujob_operator.metrics import BADPUT_CAUSES, GOODPUT_BADPUT_TYPES, OperatorMetrics
 from tpujob_operator.reconcile import reconcile
 from tpujob_operator.status import rfc3339
 
@@ -160,7 +160,10 @@ def test_goodput_gauges_match_the_status(metrics):
     assert sample(metrics, "tpujob_goodput_ratio", **JOB) == 0.5
     assert sample(metrics, "tpujob_productive_seconds", **JOB) == 74.75
     badput = status.goodput.badput
-    by_cause = {cause: sample(metrics, "tpujob_badput_seconds", **JOB, cause=cause) for cause in BADPUT_CAUSES.values()}
+    by_cause = {
+        cause: sample(metrics, "tpujob_badput_seconds", **JOB, cause=cause, badput_type=GOODPUT_BADPUT_TYPES[cause])
+        for cause in BADPUT_CAUSES.values()
+    }
     assert by_cause == {
         "scheduling": badput.scheduling_seconds,
         "startup": badput.startup_seconds,
@@ -209,7 +212,7 @@ def test_forget_drops_gauges_now_and_counters_after_the_retention(metrics, clock
 
     for gauge in ("tpujob_goodput_ratio", "tpujob_productive_seconds", "tpujob_seconds_since_committed_checkpoint"):
         assert sample(metrics, gauge, **JOB) is None
-    assert sample(metrics, "tpujob_badput_seconds", **JOB, cause="scheduling") is None
+    assert sample(metrics, "tpujob_badput_seconds", **JOB, cause="scheduling", badput_type="") is None
     assert metrics.live_jobs() == 0
     # The final counts stay long enough for a scrape to see the last increment ...
     assert sample(metrics, "tpujob_restarts_total", **RESTART, kind="ApplicationError", counted="true") == 1
@@ -322,3 +325,12 @@ def test_a_recovery_is_observed_stage_by_stage_and_the_stages_add_up_to_it(metri
     # In place: no new JobSet and no scheduling; what they would have ended is counted in the next stage.
     in_place = api.FailureTimeline(failed=at[0], detected=at[1], restored=at[4], first_new_step=at[5])
     assert metrics_module.recovery_stages(in_place) == {"detect": 2, "restore": 18, "first_step": 22}
+
+
+def test_every_badput_cause_has_its_place_in_the_ml_goodput_taxonomy_or_none():
+    assert set(GOODPUT_BADPUT_TYPES) == set(BADPUT_CAUSES.values())
+    taxonomy = {"TPU_INITIALIZATION", "TRAINING_PREP", "PROGRAM_STARTUP", "DATA_LOADING_SYNC", "DATA_LOADING_ASYNC",
+                "UNPRODUCTIVE_CHECKPOINT_SAVE_TIME", "UNPRODUCTIVE_CHECKPOINT_RESTORE_TIME",
+                "WASTED_PROGRESS_FROM_DISRUPTION", "INFRASTRUCTURE_RECOVERY_FROM_DISRUPTION", "CUSTOM_BADPUT_EVENTS",
+                "OTHER"}  # ml-goodput-measurement's BadputType  # fmt: skip
+    assert set(GOODPUT_BADPUT_TYPES.values()) - {""} <= taxonomy

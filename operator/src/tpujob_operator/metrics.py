@@ -56,6 +56,19 @@ LIVE_PHASES: tuple[api.Phase, ...] = ("Pending", "Running", "Restarting", "Suspe
 TERMINAL_PHASES: tuple[api.Phase, ...] = ("Succeeded", "Failed")
 # `cause` label values: the api.Badput field names without `_seconds` (scheduling, checkpoint_save, ...).
 BADPUT_CAUSES: dict[str, str] = {field: field.removesuffix("_seconds") for field in api.Badput.model_fields}
+# Each cause as ml-goodput-measurement's BadputType names it, where one matches (its startup is our
+# startup: we cannot tell TPU initialization from program start-up); waiting for capacity, for quota
+# and in suspension are not in its taxonomy (it starts counting when the program does): "".
+GOODPUT_BADPUT_TYPES: dict[str, str] = {
+    "scheduling": "",
+    "startup": "PROGRAM_STARTUP",
+    "restore": "UNPRODUCTIVE_CHECKPOINT_RESTORE_TIME",
+    "checkpoint_save": "UNPRODUCTIVE_CHECKPOINT_SAVE_TIME",
+    "wasted_progress": "WASTED_PROGRESS_FROM_DISRUPTION",
+    "infrastructure_recovery": "INFRASTRUCTURE_RECOVERY_FROM_DISRUPTION",
+    "suspended": "",
+    "queued": "",
+}
 COUNTER_RETENTION_SECONDS = 900.0
 # Per live job, what the alert rules compare with: `tpujob_<field>` (a _Limits field), its help.
 LIMIT_GAUGES: dict[str, str] = {
@@ -368,8 +381,9 @@ class OperatorMetrics:
         )
         badput = GaugeMetricFamily(
             "tpujob_badput_seconds",
-            "Seconds of a live TrainingJob's wall time that did not train, by cause (status.goodput.badput).",
-            labels=[*JOB_LABELS, "cause"],
+            "Seconds of a live TrainingJob's wall time that did not train, by cause (status.goodput.badput), "
+            "with ml-goodput-measurement's BadputType of the cause where one matches (badput_type).",
+            labels=[*JOB_LABELS, "cause", "badput_type"],
         )
         since = GaugeMetricFamily(
             "tpujob_seconds_since_committed_checkpoint",
@@ -399,7 +413,7 @@ class OperatorMetrics:
                     ratio.add_metric([namespace, name], job.goodput.ratio)
                 productive.add_metric([namespace, name], job.goodput.productive_seconds)
                 for cause, seconds in zip(BADPUT_CAUSES.values(), job.goodput.badput, strict=True):
-                    badput.add_metric([namespace, name, cause], seconds)
+                    badput.add_metric([namespace, name, cause, GOODPUT_BADPUT_TYPES[cause]], seconds)
             if job.checkpoint_time is not None:
                 since.add_metric([namespace, name], max(0.0, now - job.checkpoint_time.timestamp()))
         return [by_phase, ratio, productive, badput, since, since_progress, *limits.values()]
