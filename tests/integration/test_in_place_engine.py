@@ -14,6 +14,7 @@ Stand-ins, named as such: kwok nodes for TPU VMs, the pod runner for kubelet + c
 from __future__ import annotations
 
 import shutil
+import subprocess
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -26,6 +27,7 @@ from kubernetes import client, config
 from kubernetes.client.exceptions import ApiException
 from tpujob_contract import ACCELERATOR_LABEL, JOBSET_GROUP, JOBSET_VERSION, TOPOLOGY_LABEL, TPU_RESOURCE
 from tpujob_devcluster.cluster import DevCluster
+from tpujob_devcluster.controlplane import tools_dir
 
 pytestmark = pytest.mark.integration
 T = TypeVar("T")
@@ -257,3 +259,51 @@ def _default_account(core: client.CoreV1Api, namespace: str) -> bool:
         return True
     except ApiException:
         return False
+
+
+# The first run says so and fails; the run after its in-place restart ticks 5 times and succeeds.
+LOGGED = f"""
+if [ -e {SCRATCH}/logged ]; then
+  echo "second run"; for i in 1 2 3 4 5; do echo "tick $i"; sleep 1; done; exit 0
+fi
+touch {SCRATCH}/logged; echo "first run"; exit 3
+"""
+
+
+def test_kubectl_logs_reads_the_pod_runner_through_the_apiserver_as_from_a_kubelet(cluster: DevCluster) -> None:
+    """`kubectl logs` (the real kubectl, through the real apiserver's pods/log proxy, TLS verified both
+    ways) against the pod runner's kubelet endpoint: the current container, --previous after a restart
+    in place, -c, --tail, and -f that follows until the container exits."""
+    api = config.new_client_from_config(str(cluster.kubeconfig))
+    core = client.CoreV1Api(api)
+    namespace, name = "kubectl-logs", "talker"
+    namespace_body: Any = {"metadata": {"name": namespace}}
+    core.create_namespace(namespace_body)
+    eventually(lambda: _default_account(core, namespace), 30, "the namespace's default ServiceAccount")
+    spec = pod_spec("on-failure", "default")
+    container = spec["containers"][0]
+    container.update(command=["sh", "-c", LOGGED], env=[])
+    pod: Any = {"metadata": {"name": name}, "spec": spec}
+    core.create_namespaced_pod(namespace, pod)
+    kubectl = [str(tools_dir() / "kubectl"), f"--kubeconfig={cluster.kubeconfig}", "-n", namespace, "logs", name]
+
+    def logs(*args: str, timeout: float = 30) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([*kubectl, *args], capture_output=True, text=True, timeout=timeout)
+
+    def restarted() -> bool:
+        found: Any = core.read_namespaced_pod(name, namespace)
+        statuses = found.status.container_statuses or []
+        return bool(statuses) and statuses[0].restart_count == 1
+
+    eventually(restarted, 45, "the container restarted in place")
+    # -f from the second run's start: every tick, then the stream ends because the container exited.
+    followed = logs("-f", "-c", "worker", timeout=60)
+    assert followed.returncode == 0, followed.stderr
+    assert followed.stdout.splitlines() == ["second run", *(f"tick {i}" for i in range(1, 6))], followed.stdout
+    previous = logs("--previous")
+    assert previous.returncode == 0 and previous.stdout == "first run\n", (previous.stdout, previous.stderr)
+    tail = logs("--tail=2")
+    assert tail.stdout.splitlines() == ["tick 4", "tick 5"], tail.stdout
+    wrong = logs("-c", "sidecar")
+    assert wrong.returncode != 0 and 'container "sidecar" in pod "talker" is not valid' in wrong.stderr, wrong.stderr
+    core.delete_namespace(namespace)

@@ -94,6 +94,8 @@ class DevCluster:
         )
         self.pod_runner_interval = pod_runner_interval
         self.gcs: FakeGcsServer | None = None
+        # The nodes' kubelet port (kwok writes it into node status): the pod runner's logs endpoint.
+        self.kubelet_port = free_port()
 
     @property
     def kubeconfig(self) -> Path:
@@ -184,6 +186,7 @@ class DevCluster:
                 f"--config={config_file}",
                 f"--manage-nodes-with-label-selector={NODE_LABEL}",
                 "--node-ip=127.0.0.1",
+                f"--node-port={self.kubelet_port}",
                 f"--server-address=127.0.0.1:{free_port()}",
                 "--node-lease-duration-seconds=40",
             ],
@@ -212,8 +215,9 @@ class DevCluster:
         raise RuntimeError("kwok did not make the nodes Ready")
 
     def _start_pod_runner(self, timeout: float) -> None:
-        assert self.gcs is not None
+        assert self.gcs is not None and self.plane.pki is not None
         env_args = [f"--env={k}={v}" for k, v in self.gcs.env().items()]
+        cert, key = issue_serving_cert(self.plane.pki, self.state_dir / "kubelet-serving", "pod-runner")
         runner = self._component(
             "pod-runner",
             [
@@ -225,6 +229,10 @@ class DevCluster:
                 f"--images={IMAGES_FILE}",
                 f"--api-port={self.plane.api_port}",
                 f"--agent-dir={self.bin_dir / 'agent'}",
+                f"--logs-port={self.kubelet_port}",
+                f"--tls-cert={cert}",
+                f"--tls-key={key}",
+                f"--client-ca={self.plane.pki.ca_cert}",
                 *env_args,
                 *([f"--interval={self.pod_runner_interval}"] if self.pod_runner_interval is not None else []),
             ],

@@ -211,6 +211,12 @@ class ControlPlane:
             f"--service-account-signing-key-file={self.pki.sa_private}",
             f"--service-account-issuer=https://127.0.0.1:{self.api_port}",
             f"--service-cluster-ip-range={SERVICE_CIDR}",
+            # pods/log goes to the node's kubelet port (the pod runner's logs endpoint), over TLS
+            # verified both ways with the devcluster CA, as kube-apiserver talks to a kubelet.
+            f"--kubelet-client-certificate={self.pki.admin_cert}",
+            f"--kubelet-client-key={self.pki.admin_key}",
+            f"--kubelet-certificate-authority={self.pki.ca_cert}",
+            "--kubelet-preferred-address-types=InternalIP",
             "--authorization-mode=Node,RBAC",
             "--allow-privileged=true",
             # Kubernetes' default admission plugins stay on, PodSecurity and ValidatingAdmissionPolicy

@@ -33,7 +33,8 @@ A pod bound to one of the devcluster's nodes runs as a local process:
   runs as the runner's user, since the project's interpreter is not readable by other users. The
   apiserver's PodSecurity admission is the real check of the pod spec (on by default);
   automountServiceAccountToken: false is honoured (no token is mounted).
-Logs: <state>/pods/<namespace>/<pod>/log (path printed by `make up`).
+Logs: <state>/pods/<namespace>/<pod>/log (path printed by `make up`), log.previous for the container
+before an in-place restart; `kubectl logs` reads them through kubeletlogs.py (the kubelet's endpoint).
 """
 
 from __future__ import annotations
@@ -63,6 +64,8 @@ import yaml
 from kubernetes import client, config
 from kubernetes.client.exceptions import ApiException
 from tpujob_contract import TPU_RESOURCE
+
+from . import kubeletlogs
 
 log = logging.getLogger("podrunner")
 NODE_LABEL = "tpujob.dev/devcluster-node"
@@ -566,6 +569,7 @@ class PodRunner:
         container = spec["containers"][0]
         directory = self.state_dir / "pods" / namespace / name
         directory.mkdir(parents=True, exist_ok=True)
+        (directory / kubeletlogs.CONTAINER_FILE).write_text(container["name"])
         ip = self.addresses.take()
         hostname = spec.get("hostname") or name
         subdomain = spec.get("subdomain")
@@ -617,7 +621,7 @@ class PodRunner:
     @staticmethod
     def _spawn(directory: Path, launch: list[str], env: dict[str, str]) -> subprocess.Popen[bytes]:
         """The container's main process, leading a process group of its own (the pid file names it)."""
-        with (directory / "log").open("ab") as log_file:
+        with (directory / kubeletlogs.LOG_FILE).open("ab") as log_file:
             process = subprocess.Popen(
                 launch,
                 cwd=directory,
@@ -724,6 +728,10 @@ class PodRunner:
             if running.killed_for_deletion or running.vanished:
                 return False
             running.started_at = now()
+            # The kubelet keeps the last terminated instance's log (kubectl logs --previous).
+            log_path = running.directory / kubeletlogs.LOG_FILE
+            if log_path.exists():
+                log_path.replace(running.directory / kubeletlogs.PREVIOUS_LOG_FILE)
             running.process = self._spawn(running.directory, running.launch, running.env)
         log.info(
             "restarted %s/%s in place (%s, restart %d)", running.namespace, running.name, action, running.restart_count
@@ -892,6 +900,13 @@ class PodRunner:
             if error.status != 404:
                 raise
 
+    def container_running(self, namespace: str, name: str) -> bool:
+        """Whether the pod's container runs now (a `kubectl logs -f` follows it until it stops)."""
+        return any(
+            p.namespace == namespace and p.name == name and not p.finished and p.process.poll() is None
+            for p in list(self.pods.values())
+        )
+
     def run(self, interval: float) -> None:
         while not self.stopping.is_set():
             try:
@@ -928,11 +943,18 @@ def main(argv: list[str] | None = None) -> None:
         help="CPU devices standing in for a TPU host's chips (0: one per chip). On 2 cores, 16 devices "
         "in 4 processes spend their time in cross-process collectives; 1 keeps the demo quick.",
     )
+    parser.add_argument("--logs-port", type=int, help="serve the kubelet's containerLogs endpoint on this port")
+    parser.add_argument("--tls-cert", type=Path, help="the logs endpoint's serving certificate and key")
+    parser.add_argument("--tls-key", type=Path)
+    parser.add_argument("--client-ca", type=Path, help="the CA the apiserver's client certificate must be of")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     config.load_kube_config(args.kubeconfig)
     extra = dict(item.split("=", 1) for item in args.env)
     runner = PodRunner(args.state_dir, args.images, extra, args.api_port, args.cpu_devices_per_pod, args.agent_dir)
+    if args.logs_port:
+        context = kubeletlogs.server_context(args.tls_cert, args.tls_key, args.client_ca)
+        kubeletlogs.serve(args.state_dir / "pods", args.logs_port, context, runner.container_running, runner.stopping)
     signal.signal(signal.SIGTERM, lambda *_: runner.stopping.set())
     runner.run(args.interval)
 
