@@ -183,7 +183,18 @@ def manager_options(cfg: CheckpointConfig) -> ocp.CheckpointManagerOptions:
         # Partial step directories left by a killed attempt are never restored (Orbax lists only
         # finalized steps); removing them at start keeps the bucket tidy across many restarts.
         cleanup_tmp_directories=True,
+        async_options=synchronous_directories(),
     )
+
+
+def synchronous_directories() -> ocp.AsyncOptions:
+    """Step directories created in the save's blocking part, between two barriers. With Orbax
+    0.12.8's asynchronous creation a process other than the primary learns from a key-value
+    "contract" what to wait for before it writes; when it reads the contract before the primary
+    wrote it, it waits for nothing, writes its shards, and the primary then finds the step's
+    directory "existing", removes it and commits the step without them (seen on GCS with two
+    processes: a committed checkpoint missing process 1's arrays)."""
+    return ocp.AsyncOptions(create_directories_asynchronously=False)
 
 
 class PreemptionNotice:

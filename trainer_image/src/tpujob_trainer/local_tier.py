@@ -32,6 +32,7 @@ from jax.experimental import multihost_utils
 from orbax.checkpoint import checkpoint_managers as cm
 from orbax.checkpoint import type_handlers
 
+from tpujob_trainer import checkpointing
 from tpujob_trainer.config import LocalTierConfig
 
 log = logging.getLogger("tpujob_trainer")
@@ -118,6 +119,7 @@ class LocalTier:
             enable_background_delete=False,
             save_root_metadata=False,
             enable_per_process_directory_creation=True,
+            async_options=checkpointing.synchronous_directories(),
         )
         self.manager = ocp.CheckpointManager(steps, options=options, item_handlers=_handler(processes))
         log.info("local tier: %s, every %d steps", steps, cfg.interval_steps)
