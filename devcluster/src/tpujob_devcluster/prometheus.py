@@ -1,10 +1,13 @@
 """A real Prometheus (devcluster/prometheus.sh) scraping the devcluster's operator as the chart's
 ServiceMonitor describes it, and evaluating the chart's PrometheusRule.
 
-There is no Prometheus Operator here, so `scrape_config` does its one job for a ServiceMonitor:
-Kubernetes service discovery of the EndpointSlices behind the Services the monitor selects, kept by
-namespace, service labels and port name, `job` set to the Service's name (what the Prometheus
-Operator writes, so the chart's alerts select the same series here as on a cluster).
+There is no Prometheus Operator here, so `scrape_config` does its one job for a ServiceMonitor: find
+the pods behind the Services it selects, on the port it names, with `job` set to the Service's name
+(what the Prometheus Operator writes, so the chart's alerts select the same series here as on a
+cluster). It discovers pods rather than EndpointSlices, a stand-in named as such: the devcluster's
+pods have loopback addresses, which EndpointSlices refuse, so its endpoint controllers are off
+(controlplane.py). A pod is kept when it is Running and matches the Service's selector, and its
+container port is the Service port's targetPort; that is what the EndpointSlice would list.
 """
 
 from __future__ import annotations
@@ -31,21 +34,24 @@ def _meta(name: str) -> str:
     return re.sub(r"[^a-zA-Z0-9_]", "_", name)
 
 
-def scrape_config(service_monitor: dict[str, Any], kubeconfig: Path) -> list[dict[str, Any]]:
-    """One scrape config per endpoint of a monitoring.coreos.com/v1 ServiceMonitor."""
+def _keep(source: str, value: str) -> dict[str, Any]:
+    return {"action": "keep", "source_labels": [source], "regex": re.escape(value)}
+
+
+def scrape_config(service_monitor: dict[str, Any], service: dict[str, Any], kubeconfig: Path) -> list[dict[str, Any]]:
+    """One scrape config per endpoint of a monitoring.coreos.com/v1 ServiceMonitor, for the one
+    Service it selects (`service`, checked against the monitor's selector)."""
     spec = service_monitor["spec"]
     namespaces = spec.get("namespaceSelector", {}).get("matchNames") or [service_monitor["metadata"]["namespace"]]
     selector = spec.get("selector", {}).get("matchLabels", {})
+    labels = service["metadata"].get("labels") or {}
+    if any(labels.get(key) != value for key, value in selector.items()):
+        raise ValueError(f"the ServiceMonitor does not select Service {service['metadata']['name']}")
+    ports = {port["name"]: port for port in service["spec"]["ports"]}
     configs = []
     for index, endpoint in enumerate(spec["endpoints"]):
-        keep_labels = [
-            {
-                "action": "keep",
-                "source_labels": [f"__meta_kubernetes_service_label_{_meta(key)}"],
-                "regex": re.escape(value),
-            }
-            for key, value in sorted(selector.items())
-        ]
+        target_port = ports[endpoint["port"]].get("targetPort", ports[endpoint["port"]]["port"])
+        port_label = "name" if isinstance(target_port, str) else "number"
         configs.append(
             {
                 "job_name": f"serviceMonitor/{service_monitor['metadata']['namespace']}/"
@@ -55,19 +61,19 @@ def scrape_config(service_monitor: dict[str, Any], kubeconfig: Path) -> list[dic
                 "scrape_interval": endpoint.get("interval", "30s"),
                 **({"scrape_timeout": endpoint["scrapeTimeout"]} if endpoint.get("scrapeTimeout") else {}),
                 "kubernetes_sd_configs": [
-                    {"role": "endpointslice", "kubeconfig_file": str(kubeconfig), "namespaces": {"names": namespaces}}
+                    {"role": "pod", "kubeconfig_file": str(kubeconfig), "namespaces": {"names": namespaces}}
                 ],
                 "relabel_configs": [
-                    *keep_labels,
-                    {
-                        "action": "keep",
-                        "source_labels": ["__meta_kubernetes_endpointslice_port_name"],
-                        "regex": re.escape(endpoint["port"]),
-                    },
+                    *(
+                        _keep(f"__meta_kubernetes_pod_label_{_meta(key)}", value)
+                        for key, value in sorted(service["spec"]["selector"].items())
+                    ),
+                    _keep("__meta_kubernetes_pod_phase", "Running"),
+                    _keep(f"__meta_kubernetes_pod_container_port_{port_label}", str(target_port)),
                     {"source_labels": ["__meta_kubernetes_namespace"], "target_label": "namespace"},
-                    {"source_labels": ["__meta_kubernetes_service_name"], "target_label": "service"},
+                    {"target_label": "service", "replacement": service["metadata"]["name"]},
                     {"source_labels": ["__meta_kubernetes_pod_name"], "target_label": "pod"},
-                    {"source_labels": ["__meta_kubernetes_service_name"], "target_label": "job"},
+                    {"target_label": "job", "replacement": service["metadata"]["name"]},
                 ],
             }
         )
