@@ -114,6 +114,22 @@ def log_file(pods_dir: Path, request: LogRequest) -> Path:
     return directory / LOG_FILE
 
 
+def _stat(path: Path) -> os.stat_result | None:
+    try:
+        return path.stat()
+    except FileNotFoundError:
+        return None
+
+
+def _read(path: Path) -> tuple[int | None, bytes]:
+    """The file's inode and its bytes, from one open: a follow goes on from exactly what was read."""
+    try:
+        with path.open("rb") as handle:
+            return os.fstat(handle.fileno()).st_ino, handle.read()
+    except FileNotFoundError:
+        return None, b""
+
+
 def server_context(cert: Path, key: Path, client_ca: Path) -> ssl.SSLContext:
     context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
     context.load_cert_chain(cert, key)
@@ -159,8 +175,8 @@ def serve(
             except FileNotFoundError as error:
                 self._error(404, str(error))
                 return
-            data = path.read_bytes() if path.exists() else b""
-            data = tail(data, request.tail_lines)
+            inode, whole = _read(path)
+            data = tail(whole, request.tail_lines)
             if request.limit_bytes is not None:
                 data = data[: request.limit_bytes]
             self.send_response(200)
@@ -170,7 +186,7 @@ def serve(
             try:
                 self._chunk(data)
                 if request.follow and not request.previous:
-                    self._follow(path, request, len(data))
+                    self._follow(path, request, inode, len(whole), len(data))
                 self.wfile.write(b"0\r\n\r\n")  # the last chunk
                 self.wfile.flush()
             except OSError:  # the client went (kubectl logs -f interrupted)
@@ -181,32 +197,23 @@ def serve(
                 self.wfile.write(f"{len(data):x}\r\n".encode() + data + b"\r\n")
                 self.wfile.flush()
 
-        def _follow(self, path: Path, request: LogRequest, sent: int) -> None:
-            """New lines as they are written, until the container stops or restarts (its file moves
-            to log.previous and a new one begins) or the server stops."""
-            try:
-                stat = path.stat()
-                inode, offset = stat.st_ino, stat.st_size
-            except FileNotFoundError:
-                inode, offset = None, 0
+        def _follow(self, path: Path, request: LogRequest, inode: int | None, offset: int, sent: int) -> None:
+            """New lines past `offset` of the file `inode` as they are written, until the container
+            stops or restarts (its file moves to log.previous and a new one begins) or the server stops."""
             while not stopping.is_set():
-                now: os.stat_result | None
-                try:
-                    now = path.stat()
-                except FileNotFoundError:
-                    now = None
+                now = _stat(path)
                 if now is not None and inode is not None and now.st_ino != inode:
                     return
-                size = now.st_size if now is not None else 0
-                if size > offset:
-                    inode = now.st_ino if now is not None else inode
+                if now is not None and now.st_size > offset:
+                    inode = now.st_ino
                     with path.open("rb") as handle:
                         handle.seek(offset)
-                        data = handle.read(size - offset)
+                        data = handle.read(now.st_size - offset)
+                    offset += len(data)
                     if request.limit_bytes is not None:
                         data = data[: max(0, request.limit_bytes - sent)]
                     self._chunk(data)
-                    offset, sent = size, sent + len(data)
+                    sent += len(data)
                     continue
                 if not running(request.namespace, request.pod):
                     return
