@@ -9,16 +9,13 @@ the recovery time that status.lastFailure reports, and the restart-budget alert 
 from __future__ import annotations
 
 import signal
-import subprocess
 import time
 from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
 import pytest
-import yaml
 from tpujob_devcluster.cluster import DevCluster
-from tpujob_devcluster.controlplane import tools_dir
-from tpujob_devcluster.harness import CHART, OPERATOR_NAMESPACE, OPERATOR_RELEASE
+from tpujob_devcluster.harness import OPERATOR_RELEASE, render_template
 from tpujob_devcluster.prometheus import Prometheus, scrape_config
 
 from .conftest import E2E
@@ -27,24 +24,13 @@ V5E: dict[str, Any] = {"accelerator": "tpu-v5-lite-podslice", "topology": "2x2",
 T = TypeVar("T")
 
 
-def rendered(template: str, *values: str) -> dict[str, Any]:
-    sets = [arg for value in values for arg in ("--set", value)]
-    out = subprocess.run(
-        [str(tools_dir() / "helm"), "template", OPERATOR_RELEASE, str(CHART), "-n", OPERATOR_NAMESPACE,
-         "-s", f"templates/{template}", *sets],
-        check=True, capture_output=True, text=True, timeout=60,
-    ).stdout  # fmt: skip
-    document: dict[str, Any] = yaml.safe_load(out)
-    return document
-
-
 @pytest.fixture
 def prometheus(devcluster: DevCluster) -> Iterator[Prometheus]:
-    monitor = rendered(
+    monitor = render_template(
         "servicemonitor.yaml", "metrics.serviceMonitor.enabled=true", "metrics.serviceMonitor.interval=2s"
     )
-    rule = rendered("prometheusrule.yaml", "metrics.prometheusRule.enabled=true")
-    service = rendered("service.yaml")
+    rule = render_template("prometheusrule.yaml", "metrics.prometheusRule.enabled=true")
+    service = render_template("service.yaml")
     server = Prometheus(
         devcluster.state_dir / "prometheus",
         scrape_config(monitor, service, devcluster.kubeconfig),

@@ -23,7 +23,8 @@ from typing import Any
 import pytest
 import yaml
 from prometheus_client import CollectorRegistry, generate_latest
-from tpujob_devcluster.controlplane import prometheus_dir, tools_dir
+from tpujob_devcluster.controlplane import prometheus_dir
+from tpujob_devcluster.harness import render_template
 from tpujob_operator import api
 from tpujob_operator.metrics import OperatorMetrics
 from tpujob_operator.status import rfc3339
@@ -51,17 +52,10 @@ def promtool() -> str:
     return str(prometheus_dir() / "promtool")
 
 
-def rendered(template: str, *overrides: str) -> dict[str, Any]:
-    args = [arg for override in overrides for arg in ("--set", override)]
-    out = run(str(tools_dir() / "helm"), "template", "tpujob", str(CHART), "-s", f"templates/{template}", *args)
-    document: dict[str, Any] = yaml.safe_load(out)
-    return document
-
-
 @pytest.fixture(scope="module")
 def rules() -> dict[str, Any]:
     """The chart's alert rules as a user of its defaults gets them (the PrometheusRule's spec)."""
-    spec: dict[str, Any] = rendered("prometheusrule.yaml", "metrics.prometheusRule.enabled=true")["spec"]
+    spec: dict[str, Any] = render_template("prometheusrule.yaml", "metrics.prometheusRule.enabled=true")["spec"]
     return spec
 
 
@@ -168,6 +162,6 @@ def test_the_operator_exposition_passes_promtool_check_metrics(promtool: str) ->
 
 
 def test_the_dashboard_configmap_carries_the_dashboard_with_the_sidecar_label() -> None:
-    configmap = rendered("dashboard.yaml", "metrics.dashboard.enabled=true")
+    configmap = render_template("dashboard.yaml", "metrics.dashboard.enabled=true")
     assert configmap["metadata"]["labels"]["grafana_dashboard"] == "1"
     assert json.loads(configmap["data"]["tpujob.json"]) == json.loads(DASHBOARD.read_text())

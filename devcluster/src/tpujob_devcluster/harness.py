@@ -14,6 +14,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+import yaml
 from kubernetes import client
 from kubernetes.client.exceptions import ApiException
 
@@ -62,6 +63,20 @@ def helm_install_operator(
     )  # fmt: skip
     if result.returncode != 0:
         raise RuntimeError(f"helm install of {release} failed:\n{result.stderr}")
+
+
+def render_template(template: str, *values: str, release: str = OPERATOR_RELEASE) -> dict[str, Any]:
+    """One template of the chart as `helm install` of `release` renders it (`values`: --set
+    assignments), e.g. the ServiceMonitor a devcluster Prometheus stands in for."""
+    result = subprocess.run(
+        [str(tools_dir() / "helm"), "template", release, str(CHART), "-n", OPERATOR_NAMESPACE,
+         "-s", f"templates/{template}", *(arg for value in values for arg in ("--set", value))],
+        check=False, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    if result.returncode != 0:
+        raise RuntimeError(f"helm template -s templates/{template} failed:\n{result.stderr}")
+    document: dict[str, Any] = yaml.safe_load(result.stdout)
+    return document
 
 
 def quantiles(values: Iterable[float | None], points: Sequence[int] = (50, 90, 99)) -> dict[str, float | None]:
