@@ -353,8 +353,8 @@ def _save_final_tries(
         try:
             # Every process decides alike whether to save again, on what storage holds once every
             # save in flight ended (the primary's commit included: agree_all is a collective). A
-            # process that saw `step` listed while another did not would skip a save the other
-            # makes, and Orbax would remove the step's directory, that process's shards with it.
+            # process that skipped a save the others make would leave Orbax's barriers, which are
+            # collectives here, paired with the wrong calls.
             mngr.wait_until_finished()
             checkpointing.agree_all(True)
             mngr.reload()  # forget a step whose save failed after Orbax had listed it
