@@ -248,8 +248,12 @@ def test_jobset_restarts_every_pod_in_place_with_the_real_agent(cluster: DevClus
     # collector maps a new CRD's kind only at its next discovery pass, up to 30 s.)
     core.delete_collection_namespaced_pod(namespace, label_selector=selector)
     eventually(lambda: not pods(), 30, "the pods deleted")
-    eventually(lambda: not tmpfs_mounts(cluster.state_dir / "pods" / namespace), 10, "the tmpfs volumes unmounted")
-    assert not any(v.exists() for v in volumes)
+    # The runner unmounts a pod's tmpfs volumes and then removes their directories: wait for both.
+    eventually(
+        lambda: not tmpfs_mounts(cluster.state_dir / "pods" / namespace) and not any(v.exists() for v in volumes),
+        10,
+        "the tmpfs volumes unmounted and their directories removed",
+    )
     core.delete_namespace(namespace)
 
 
