@@ -33,6 +33,9 @@ class Env:
     RESUME: Final = "TPUJOB_RESUME_STEP"  # Resume.encode(): a committed step, "latest" or "fresh"
     RUN_DIR: Final = "TPUJOB_RUN_DIR"
     NUM_SLICES: Final = "TPUJOB_NUM_SLICES"
+    # spec.tpu.slices: the size the training math is defined for; an elastic attempt with fewer slices
+    # (TPUJOB_NUM_SLICES) accumulates gradients over FULL/NUM microbatches, so each step is the full-size one
+    FULL_SLICES: Final = "TPUJOB_FULL_SLICES"
     HOSTS_PER_SLICE: Final = "TPUJOB_HOSTS_PER_SLICE"
     SLICE_ID: Final = "TPUJOB_SLICE_ID"
     COORDINATOR_ADDRESS: Final = "TPUJOB_COORDINATOR_ADDRESS"
