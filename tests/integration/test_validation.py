@@ -37,6 +37,7 @@ _DELETE = object()
 
 
 _BKT = {"directory": "gs://bkt/a"}
+TPU = {"accelerator": "tpu-v5p-slice", "topology": "2x2x2"}
 
 
 def _maxtext_spec(change: dict[str, Any]) -> dict[str, Any]:
@@ -54,6 +55,7 @@ _MAXTEXT_REFUSED: list[tuple[str, dict[str, Any], str]] = [
     ("env override of a flag", {"env": [{"name": "M_RUN_NAME", "value": "x"}]}, "spec.env"),
     ("XPK variable in env", {"env": [{"name": "JAX_COORDINATOR_ADDRESS", "value": "x"}]}, "spec.env"),
     ("local tier", {"checkpoint": {**_BKT, "local": {"sizeLimit": "1Gi"}}}, "spec.checkpoint.local"),
+    ("elastic", {"elastic": {"minSlices": 1}}, "spec.elastic"),
 ]
 
 
@@ -69,6 +71,16 @@ INVALID = [
     ("zero interval steps", "spec.checkpoint.intervalSteps", 0, "spec.checkpoint.intervalSteps"),
     ("interval policy without intervalSteps", "spec.checkpoint.policy", "interval", "spec.checkpoint.intervalSteps"),
     ("unknown policy", "spec.checkpoint.policy", "sometimes", "spec.checkpoint.policy"),
+    # Issue 21: elastic slices.
+    ("elastic at the full size", "spec.elastic", {"minSlices": 2}, "spec.elastic.minSlices"),
+    ("elastic of no slices", "spec.elastic", {"minSlices": 0}, "spec.elastic.minSlices"),
+    ("negative shrink wait", "spec.elastic", {"minSlices": 1, "shrinkAfterSeconds": -1}, "spec.elastic.shrinkAfter"),
+    (
+        "elastic without a divisor",
+        "spec",
+        training_job_manifest("bad", tpu={**TPU, "slices": 3}, elastic={"minSlices": 2})["spec"],
+        "spec.elastic.minSlices: no slice count from minSlices up to below spec.tpu.slices divides",
+    ),
     # Issue 19: the restart ladder and the local tier.
     ("unknown restart strategy", "spec.restart.strategy", "Reboot", "spec.restart.strategy"),
     ("negative in-place restarts", "spec.restart.inPlace.maxRestarts", -1, "spec.restart.inPlace.maxRestarts"),
@@ -302,6 +314,12 @@ VALID = [
         ),
         _maxtext_spec({"checkpoint": {**_BKT, "minIntervalSeconds": 0.5}}),
     ),
+    (
+        "elastic down to one slice, shrinking at once",
+        "spec.elastic",
+        {"minSlices": 1, "shrinkAfterSeconds": 0},
+        {"minSlices": 2},
+    ),
     ("single trailing slash", "spec.checkpoint.directory", "gs://bkt/a/", "gs://bkt/a//"),
     ("bucket only", "spec.checkpoint.directory", "gs://bkt", "gs://bkt/."),
     (
@@ -483,7 +501,18 @@ def test_printer_columns_come_back_from_the_apiserver(kube, control_plane, names
     )
     assert code == 200, table
     names = [c["name"] for c in table["columnDefinitions"]]
-    assert names == ["Name", "Phase", "Stage", "Step", "Checkpoint", "Restarts", "InPlace", "Goodput", "Age"]
+    assert names == [
+        "Name",
+        "Phase",
+        "Stage",
+        "Step",
+        "Checkpoint",
+        "Slices",
+        "Restarts",
+        "InPlace",
+        "Goodput",
+        "Age",
+    ]
 
 
 def test_kubectl_explain_shows_field_descriptions(control_plane):

@@ -50,6 +50,7 @@ def test_printer_columns():
         "Stage",
         "Step",
         "Checkpoint",
+        "Slices",
         "Restarts",
         "InPlace",
         "Goodput",

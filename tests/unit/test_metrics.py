@@ -173,6 +173,7 @@ def test_goodput_gauges_match_the_status(metrics):
         "infrastructure_recovery": badput.infrastructure_recovery_seconds,
         "suspended": badput.suspended_seconds,
         "queued": badput.queued_seconds,
+        "reduced_size": badput.reduced_size_seconds,
     }
     assert status.goodput.productive_seconds + sum(by_cause.values()) == status.goodput.wall_seconds
 

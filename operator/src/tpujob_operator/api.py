@@ -180,6 +180,13 @@ DIRECTORY_DOT_SEGMENT_MESSAGE = "spec.checkpoint.directory must not contain a . 
 BACKOFF_MESSAGE = "spec.restart.maxBackoffSeconds must be at least spec.restart.backoffSeconds"
 ADAPTIVE_ONLY_MESSAGE = "spec.checkpoint.{field} applies only to spec.checkpoint.policy adaptive"
 MAX_INTERVAL_MESSAGE = "spec.checkpoint.maxIntervalSeconds must be at least spec.checkpoint.minIntervalSeconds"
+ELASTIC_BELOW_FULL_MESSAGE = (
+    "spec.elastic.minSlices must be less than spec.tpu.slices: an elastic job runs on fewer slices than its full size"
+)
+ELASTIC_DIVISOR_MESSAGE = (
+    "spec.elastic.minSlices: no slice count from minSlices up to below spec.tpu.slices divides spec.tpu.slices "
+    "(a reduced size must divide it: each step then accumulates tpu.slices / size microbatches of the full-size shape)"
+)
 MAX_OVERHEAD_BUDGET_PERCENT = 50.0
 
 # What k8s.io/apimachinery resource.ParseQuantity (and so CEL isQuantity()) accepts: an optionally
@@ -699,9 +706,52 @@ class RestartSpec(ApiModel):
         return self
 
 
+class ElasticSpec(ApiModel):
+    min_slices: int = Field(
+        ge=1,
+        le=MAX_SLICES,
+        description=(
+            "The fewest slices the job trains on while capacity is lost; a reduced size divides spec.tpu.slices "
+            "(its steps accumulate gradients over tpu.slices / size microbatches, so the training math is that "
+            "of the full size)."
+        ),
+    )
+    shrink_after_seconds: int = Field(
+        default=600,
+        ge=0,
+        le=MAX_SECONDS,
+        description=(
+            "How long a slice may stay unschedulable before the job goes on with fewer slices; it grows back "
+            "when the node pools are ready again."
+        ),
+    )
+
+
+def elastic_sizes(full: int, minimum: int) -> tuple[int, ...]:
+    """The slice counts an elastic job may run on, largest first: the divisors of `full` from `minimum` up."""
+    return tuple(d for d in range(full, 0, -1) if full % d == 0 and d >= minimum)
+
+
+def _elastic_rules() -> list[dict[str, JsonValue]]:
+    divisors = list(range(1, MAX_SLICES // 2 + 1))  # a proper divisor is at most half
+    return [
+        cel(
+            "!has(self.elastic) || self.elastic.minSlices < self.tpu.slices",
+            ELASTIC_BELOW_FULL_MESSAGE,
+            ".elastic.minSlices",
+        ),
+        cel(
+            f"!has(self.elastic) || self.elastic.minSlices >= self.tpu.slices || {divisors}.exists(d, "
+            "d >= self.elastic.minSlices && d < self.tpu.slices && self.tpu.slices % d == 0)",
+            ELASTIC_DIVISOR_MESSAGE,
+            ".elastic.minSlices",
+        ),
+    ]
+
+
 class TrainingJobSpec(ApiModel):
     # What a framework cannot honour is refused (frameworks/admission.py: CEL_RULES, refusals).
-    model_config = ConfigDict(json_schema_extra={"x-kubernetes-validations": admission.CEL_RULES})
+    model_config = ConfigDict(json_schema_extra={"x-kubernetes-validations": [*admission.CEL_RULES, *_elastic_rules()]})
 
     image: str = Field(
         min_length=1,
@@ -758,6 +808,15 @@ class TrainingJobSpec(ApiModel):
         default_factory=RestartSpec, description="Automatic restart policy.", json_schema_extra={"default": {}}
     )
     suspend: bool = Field(default=False, description="Suspend the job: workers are stopped, checkpoints kept.")
+    elastic: ElasticSpec | None = Field(
+        default=None,
+        description=(
+            "Keep training on fewer slices while a slice's capacity is lost (off when absent): after "
+            "shrinkAfterSeconds of a slice unschedulable the next attempt runs on the largest size that fits "
+            "(at least minSlices), restored from the latest committed step; it grows back to spec.tpu.slices "
+            "once enough TPU node pools are ready, the running workers saving first."
+        ),
+    )
     priority_class_name: str | None = Field(
         default=None,
         max_length=253,
@@ -785,8 +844,12 @@ class TrainingJobSpec(ApiModel):
 
     @model_validator(mode="after")
     def _framework_can_honour_the_policy(self) -> TrainingJobSpec:
-        """admission.CEL_RULES, for objects that reach the operator without the apiserver."""
+        """admission.CEL_RULES and the elastic rules, for objects that reach the operator without the apiserver."""
         refused = admission.refusals(self)
+        if self.elastic is not None and self.elastic.min_slices >= self.tpu.slices:
+            refused.append(ELASTIC_BELOW_FULL_MESSAGE)
+        elif self.elastic is not None and len(elastic_sizes(self.tpu.slices, self.elastic.min_slices)) < 2:
+            refused.append(ELASTIC_DIVISOR_MESSAGE)
         if refused:
             raise ValueError("; ".join(refused))
         return self
@@ -858,6 +921,10 @@ class Badput(StatusModel):
     )
     suspended_seconds: float = Field(default=0, description="Suspended (spec.suspend or another controller).")
     queued_seconds: float = Field(default=0, description="Waiting in a Kueue queue for admission (quota).")
+    reduced_size_seconds: float = Field(
+        default=0,
+        description="Training on fewer slices than spec.tpu.slices (spec.elastic): the share of the missing slices.",
+    )
 
 
 class Goodput(StatusModel):
@@ -929,6 +996,18 @@ class CheckpointCadence(StatusModel):
     mtbf_seconds: float | None = Field(
         default=None, description="The operator's mean-time-between-failures estimate this attempt was given."
     )
+
+
+class ResizeRecord(StatusModel):
+    """A change of the slice count by spec.elastic: not a failure, never counted against the restart budget."""
+
+    time: str
+    from_slices: int = Field(description="Slices before.")
+    to_slices: int = Field(description="Slices of the attempt that follows.")
+    reason: str = Field(description="CapacityLost (a slice stayed unschedulable) or CapacityReturned.")
+    message: str = ""
+    attempt: int = Field(description="The attempt that runs on to_slices.")
+    step: int | None = Field(default=None, description="Latest committed step when it was decided.")
 
 
 class QueueStatus(StatusModel):
@@ -1005,6 +1084,12 @@ class TrainingJobStatus(StatusModel):
     checkpoint_cadence: CheckpointCadence | None = Field(
         default=None, description="checkpoint.policy adaptive: the interval in force and what it rests on."
     )
+    slices: int | None = Field(
+        default=None,
+        description="Slices the current attempt runs on: spec.tpu.slices, or fewer while spec.elastic shrank it.",
+    )
+    resizes: int = Field(default=0, description="Times spec.elastic changed the slice count (neither is a restart).")
+    last_resize: ResizeRecord | None = Field(default=None, description="The latest change of the slice count, and why.")
 
 
 def max_name_length(spec: TrainingJobSpec) -> int:

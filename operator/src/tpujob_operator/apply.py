@@ -118,10 +118,18 @@ class Applier:
             kube.delete_jobset(key[0], name, save=True)
             job.deleted.add(name)
 
-    def create(self, job: JobMemory, tj: api.TrainingJob, attempt: int, resume: int | None, queue: str | None) -> None:
+    def create(
+        self,
+        job: JobMemory,
+        tj: api.TrainingJob,
+        attempt: int,
+        resume: int | None,
+        queue: str | None,
+        slices: int | None = None,
+    ) -> None:
         """Create the attempt's JobSet; a refusal is remembered (`job.refused`), an overload (429/5xx) raised."""
         kube = self.cluster()
-        manifest = build_jobset(tj, attempt, resume, queue, self.restart_action)
+        manifest = build_jobset(tj, attempt, resume, queue, self.restart_action, slices)
         name = manifest["metadata"]["name"]
         existing = False
         if tj.spec.restart.strategy == "InPlace" and not self._agent_may_run(job, tj):

@@ -92,6 +92,7 @@ def build_crd() -> dict[str, Any]:
         ("Stage", "string", ".status.stage", "Which clock the job is on (Scheduling, StartingUp, Training, ...)"),
         ("Step", "integer", ".status.step", "Last step reported by the trainer"),
         ("Checkpoint", "integer", ".status.latestCheckpoint.step", "Latest committed checkpoint step"),
+        ("Slices", "integer", ".status.slices", "Slices the current attempt runs on (fewer while elastic shrank it)"),
         ("Restarts", "integer", ".status.restarts", "Automatic restarts so far"),
         ("InPlace", "integer", ".status.inPlaceRestarts", "Of the restarts, those done in place (same pods)"),
         ("Goodput", "number", ".status.goodput.ratio", "Productive share of the job's wall time"),

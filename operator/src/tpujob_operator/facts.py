@@ -79,6 +79,7 @@ class JobSetFacts:
     deleting: bool = False
     uid: str | None = None  # the TrainingJob incarnation that created it (label, else owner reference)
     expected_pods: int = 0  # slices x hosts per slice
+    slices: int = 0  # its replicated Job's replicas: one per slice
     resumed_at: datetime | None = None  # when its last suspension ended (JobSet Suspended=False)
     suspended_by_operator: bool = False  # the operator's own suspension (spec.suspend), not a queue's
     resuming: bool = False  # spec.suspend is false but the JobSet controller has not resumed it yet
@@ -107,6 +108,12 @@ class Observed:
     # The nodes the job's pods are bound to, by name; a name bound but absent is a node that is gone.
     # None: no node watch (nothing can be said about nodes).
     nodes: Mapping[str, NodeFacts] | None = None
+    # spec.elastic, below full size: TPU node pools of the job's slice shape that are ready (every node
+    # Ready, schedulable, untainted) and hold none of the current attempt's pods; None: not asked.
+    spare_pools: int | None = None
+    # This incarnation's worker pods of earlier attempts that have not ended (a resize waits for them:
+    # the stopped workers save first, and the next attempt restores what they saved).
+    earlier_pods: int = 0
 
 
 @dataclass(frozen=True)
@@ -122,6 +129,7 @@ class Actions:
     (the failed attempt's JobSet is gone before its replacement exists: never two live attempts)."""
 
     create_attempt: int | None = None
+    create_slices: int | None = None  # the attempt's slice count (None: spec.tpu.slices)
     resume_step: int | None = None
     delete: list[str] = field(default_factory=list)
     # JobSets to delete with their pods' own grace, so that the workers save on SIGTERM (a suspension)

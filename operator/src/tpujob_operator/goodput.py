@@ -9,7 +9,8 @@ operator loses nothing: the gap is integrated at its next reconcile.
 
 The categories follow ml-goodput-measurement's: scheduling, start-up (process start, compilation),
 restore, checkpoint save, wasted progress, infrastructure recovery (a failure until its replacement's
-pods are all scheduled), suspended.
+pods are all scheduled), suspended; and reduced size: training on fewer slices than the spec's
+(spec.elastic) is productive at its share of them, the rest is this cause.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ Cause = Literal[
     "infrastructure_recovery",
     "suspended",
     "queued",
+    "reduced_size",
 ]
 _STAGE_CAUSE: dict[Stage, Cause] = {
     "Scheduling": "scheduling",
@@ -80,10 +82,15 @@ def _cause_of(status: TrainingJobStatus) -> Cause | None:
 
 
 def advance(
-    before: TrainingJobStatus, after: TrainingJobStatus, progress: contract.ProgressRecord | None, now: datetime
+    before: TrainingJobStatus,
+    after: TrainingJobStatus,
+    progress: contract.ProgressRecord | None,
+    now: datetime,
+    full_slices: int = 1,
 ) -> Goodput | None:
     """The ledger after one reconcile: `before` is the status it started from, `after` the one it
-    decided, `progress` the trainer's record of this TrainingJob (if readable)."""
+    decided, `progress` the trainer's record of this TrainingJob (if readable), `full_slices` the
+    spec's slice count (training on fewer, spec.elastic, is productive at its share)."""
     if before.goodput is None:
         start = parse_time(before.start_time) or now
         ledger = Goodput(updated_at=rfc3339_precise(start), attempt=before.attempt)
@@ -95,6 +102,8 @@ def advance(
     since = parse_time(ledger.updated_at) or now
     elapsed = max(0.0, (now - since).total_seconds())
     _add(ledger, cause, elapsed)
+    if cause == "productive" and before.slices and before.slices < full_slices:
+        _move(ledger, "productive", "reduced_size", elapsed * (1 - before.slices / full_slices))
 
     if progress is not None and progress.attempt == ledger.attempt:
         # The trainer's own numbers for this attempt are cumulative: count only what is new.

@@ -93,9 +93,13 @@ def _slice_index_env(name: str) -> dict[str, Any]:
     }
 
 
-def trainer_env(tj: TrainingJob, attempt: int, resume_step: int | None, js_name: str) -> list[dict[str, Any]]:
+def trainer_env(
+    tj: TrainingJob, attempt: int, resume_step: int | None, js_name: str, slices: int | None = None
+) -> list[dict[str, Any]]:
     """The operator <-> trainer contract (trainer_image/README.md). Operator keys come after the
-    user's env so a user entry cannot silently break the contract (the last duplicate wins)."""
+    user's env so a user entry cannot silently break the contract (the last duplicate wins).
+    `slices`: the attempt's (spec.elastic may run it on fewer than spec.tpu.slices)."""
+    slices = slices or tj.spec.tpu.slices
     shape = slice_shape(tj.spec.tpu.accelerator, tj.spec.tpu.topology)
     ckpt = tj.spec.checkpoint
     coordinator = coordinator_host(js_name)
@@ -109,12 +113,13 @@ def trainer_env(tj: TrainingJob, attempt: int, resume_step: int | None, js_name:
         _env(env.ATTEMPT, attempt),
         _env(env.RESUME, resume.encode()),
         _env(env.RUN_DIR, tj.run_dir),
-        _env(env.NUM_SLICES, tj.spec.tpu.slices),
+        _env(env.NUM_SLICES, slices),
+        _env(env.FULL_SLICES, tj.spec.tpu.slices),
         _env(env.HOSTS_PER_SLICE, shape.hosts),
         _slice_index_env(env.SLICE_ID),
         _env(env.COORDINATOR_ADDRESS, f"{coordinator}:{COORDINATOR_PORT}"),
         _env(env.MEGASCALE_COORDINATOR_ADDRESS, coordinator),
-        _env(env.MEGASCALE_NUM_SLICES, tj.spec.tpu.slices),
+        _env(env.MEGASCALE_NUM_SLICES, slices),
         _slice_index_env(env.MEGASCALE_SLICE_ID),
         _env(env.CHECKPOINT_POLICY, ckpt.policy),
         _env(env.CHECKPOINT_MIN_INTERVAL_SECONDS, ckpt.min_interval_seconds),
@@ -194,10 +199,13 @@ def build_jobset(
     resume_step: int | None,
     queue: str | None = None,
     restart_action: InPlaceRestartAction = "Restart",
+    slices: int | None = None,
 ) -> dict[str, Any]:
     """With a queue, Kueue decides when the JobSet runs: it is created suspended, and its workers
     resume from the latest committed step (not a pinned one), since Kueue may preempt and resume
-    the same JobSet after its pods saved a newer step on SIGTERM."""
+    the same JobSet after its pods saved a newer step on SIGTERM. `slices`: the attempt's slice count
+    (spec.tpu.slices unless spec.elastic runs it on fewer)."""
+    slices = slices or tj.spec.tpu.slices
     shape = slice_shape(tj.spec.tpu.accelerator, tj.spec.tpu.topology)
     name = jobset_name(tj.name, attempt)
     labels = {
@@ -214,7 +222,7 @@ def build_jobset(
         "name": CONTAINER,
         "image": tj.spec.image,
         "env": [
-            *trainer_env(tj, attempt, resume_step, name),
+            *trainer_env(tj, attempt, resume_step, name, slices),
             *framework.env(tj, coordinator_host(name), shape.hosts),
             *[_slice_index_env(env_name) for env_name in framework.slice_index_env],
         ],
@@ -276,7 +284,7 @@ def build_jobset(
             "replicatedJobs": [
                 {
                     "name": REPLICATED_JOB,
-                    "replicas": tj.spec.tpu.slices,
+                    "replicas": slices,
                     "template": {
                         "metadata": {"labels": dict(labels)},
                         "spec": job_spec,
@@ -467,6 +475,7 @@ def jobset_facts(
         deleting=bool(meta.get("deletionTimestamp")),
         uid=incarnation_uid(jobset),
         expected_pods=expected_pods(jobset),
+        slices=sum(int(rj.get("replicas", 1)) for rj in (jobset.get("spec") or {}).get("replicatedJobs") or []),
         resumed_at=parse_time(resumed.get("lastTransitionTime")) if resumed else None,
         suspended_by_operator=annotations.get(ANNOTATION_SUSPENDED) == "true",
         resuming=state == "Active" and _condition(conditions, "Suspended") is not None,

@@ -68,6 +68,7 @@ GOODPUT_BADPUT_TYPES: dict[str, str] = {
     "infrastructure_recovery": "INFRASTRUCTURE_RECOVERY_FROM_DISRUPTION",
     "suspended": "",
     "queued": "",
+    "reduced_size": "",
 }
 COUNTER_RETENTION_SECONDS = 900.0
 # Per live job, what the alert rules compare with: `tpujob_<field>` (a _Limits field), its help.
@@ -80,6 +81,9 @@ LIMIT_GAUGES: dict[str, str] = {
     "checkpoint_save_seconds": "Measured cost of one checkpoint save (status.checkpointCadence.saveCostSeconds).",
     "checkpoint_overhead_ratio": "Measured step-time overhead of saving in the current attempt, as a ratio "
     "(status.checkpointCadence.overheadPercent / 100).",
+    "slices": "Slices a live TrainingJob's current attempt runs on (status.slices): spec.tpu.slices, or fewer "
+    "while spec.elastic shrank it.",
+    "full_slices": "spec.tpu.slices of a live TrainingJob: the size its training math is defined for.",
 }
 
 # Failure (the failed pod's finish time, whole seconds) -> the reconcile that decided: seconds.
@@ -115,6 +119,8 @@ class _Limits:
     checkpoint_interval_seconds: float | None
     checkpoint_save_seconds: float | None
     checkpoint_overhead_ratio: float | None
+    slices: int
+    full_slices: int
 
     @classmethod
     def of(cls, spec: api.TrainingJobSpec | None, status: api.TrainingJobStatus) -> _Limits | None:
@@ -129,6 +135,8 @@ class _Limits:
             checkpoint_interval_seconds=cadence.interval_seconds if cadence is not None else None,
             checkpoint_save_seconds=cadence.save_cost_seconds if cadence is not None else None,
             checkpoint_overhead_ratio=overhead / 100 if overhead is not None else None,
+            slices=status.slices or spec.tpu.slices,
+            full_slices=spec.tpu.slices,
         )
 
 
@@ -217,6 +225,13 @@ class OperatorMetrics:
             JOB_LABELS,
             registry=registry,
         )
+        self.resizes = Counter(
+            "tpujob_resizes_total",
+            "Slice-count changes of TrainingJobs by spec.elastic decided by this operator process, by direction "
+            "(shrink: a slice stayed unschedulable; grow: TPU node pools were ready again).",
+            [*JOB_LABELS, "direction"],
+            registry=registry,
+        )
         self.failure_detection = Histogram(
             "tpujob_failure_detection_seconds",
             "Failure (the failed worker's finish time) to the reconcile that decided on it, by failure kind.",
@@ -279,6 +294,10 @@ class OperatorMetrics:
             self.restarts.labels(namespace, name, kind, str(counted).lower(), rung).inc(
                 after.restarts - before.restarts
             )
+        resize = after.last_resize
+        if after.resizes > before.resizes and resize is not None:
+            direction = "shrink" if resize.to_slices < resize.from_slices else "grow"
+            self.resizes.labels(namespace, name, direction).inc(after.resizes - before.resizes)
         lost = self.lost_steps.labels(namespace, name)  # present (0) for every job seen, so increase() sees the first
         if after.lost_steps > before.lost_steps:
             lost.inc(after.lost_steps - before.lost_steps)
@@ -353,6 +372,7 @@ class OperatorMetrics:
                 labels = {"namespace": namespace, "name": name}
                 self.restarts.remove_by_labels(labels)
                 self.lost_steps.remove_by_labels(labels)
+                self.resizes.remove_by_labels(labels)
                 del self._expiring[(namespace, name)]
 
     def _snapshot(self) -> dict[tuple[str, str], _LiveJob]:

@@ -33,6 +33,8 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any, Literal
 
+import tpujob_contract as contract
+
 from .facts import NodeFacts, PodFacts, Taint
 from .status import parse_time
 
@@ -54,6 +56,7 @@ OUT_OF_SERVICE_TAINT = "node.kubernetes.io/out-of-service"
 IMPENDING_TERMINATION_TAINT = "cloud.google.com/impending-node-termination"
 AUTOSCALER_DRAIN_TAINT = "ToBeDeletedByClusterAutoscaler"
 ACTIVE_MAINTENANCE_LABEL = "cloud.google.com/active-node-maintenance"
+POOL_LABELS = (contract.NODE_POOL_LABEL, contract.ACCELERATOR_LABEL, contract.TOPOLOGY_LABEL)
 
 _LOST_TAINTS = {
     UNREACHABLE_TAINT: "NodeUnreachable",
@@ -99,8 +102,10 @@ def slim_node(body: Mapping[str, Any]) -> dict[str, Any]:
     kept_meta: dict[str, Any] = {
         k: meta[k] for k in ("name", "uid", "resourceVersion", "deletionTimestamp") if k in meta
     }
-    if ACTIVE_MAINTENANCE_LABEL in labels:
-        kept_meta["labels"] = {ACTIVE_MAINTENANCE_LABEL: labels[ACTIVE_MAINTENANCE_LABEL]}
+    # the pool and slice shape a node belongs to (spec.elastic counts ready pools), and GKE's maintenance
+    kept_labels = {k: labels[k] for k in (*POOL_LABELS, ACTIVE_MAINTENANCE_LABEL) if k in labels}
+    if kept_labels:
+        kept_meta["labels"] = kept_labels
     return {
         "metadata": kept_meta,
         "spec": {k: spec[k] for k in ("unschedulable", "taints") if k in spec},

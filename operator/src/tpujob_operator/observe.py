@@ -18,7 +18,7 @@ from typing import Any, TypeVar, cast
 import tpujob_contract as contract
 from tpujob_contract import LABEL_ATTEMPT, QUEUE_LABEL
 
-from . import api, checkpoints, frameworks, nodes
+from . import api, checkpoints, elastic, frameworks, nodes
 from .facts import JobSetFacts, NodeFacts, Observed
 from .jobset import expected_pods, incarnation_uid, jobset_facts, queue_name, workload_admission
 from .kube import Cluster
@@ -26,6 +26,7 @@ from .memory import JobMemory, Lookup
 from .reads import BoundedReads
 from .schedule import JobKey, Lane
 from .status import parse_time
+from .tpu import slice_shape
 
 T = TypeVar("T")
 # Reads closer together than this reuse the last one (a burst of pod events is one read).
@@ -113,6 +114,8 @@ class Snapshot:
     workloads: dict[str, dict[str, Any] | None] | None = None
     # The Nodes the pods are bound to, by name (a name bound but absent: gone); None: no node index.
     nodes: dict[str, dict[str, Any]] | None = None
+    # Every cached Node, for a job that counts spare TPU node pools (elastic.wants_pools); else None.
+    all_nodes: list[dict[str, Any]] | None = None
 
 
 def merged_jobsets(
@@ -166,7 +169,17 @@ def snapshot(key: JobKey, indexes: Indexes, job: JobMemory | None) -> Snapshot |
     if "workloads" in indexes:
         queued = [js["metadata"].get("uid") for js in jobsets if QUEUE_LABEL in (js["metadata"].get("labels") or {})]
         workloads = {uid: _newest_workload(indexes["workloads"].get(uid, ())) for uid in queued if uid}
-    return Snapshot(key, dict(body), jobsets, pods, workloads, _nodes_under(indexes, pods))
+    every_node = None
+    if "nodes" in indexes and elastic.wants_pools(body):
+        every_node = [n for found in indexes["nodes"].values() for n in found]
+    return Snapshot(key, dict(body), jobsets, pods, workloads, _nodes_under(indexes, pods), every_node)
+
+
+def _earlier_and_running(pod: Mapping[str, Any], attempt: int) -> bool:
+    """A worker pod of an attempt before `attempt` that has not ended."""
+    label = str((pod.get("metadata", {}).get("labels") or {}).get(LABEL_ATTEMPT, ""))
+    ended = (pod.get("status") or {}).get("phase") in ("Succeeded", "Failed")
+    return label.isdigit() and int(label) < attempt and not ended
 
 
 def _nodes_under(indexes: Indexes, pods: Iterable[dict[str, Any]]) -> dict[str, dict[str, Any]] | None:
@@ -323,9 +336,18 @@ class Observer:
             storage_error=error,
             storage_denied=denied and error is not None,
             foreign_pods=len(foreign_running),
+            earlier_pods=len([p for p in ours if _earlier_and_running(p, tj.status.attempt)]),
+            spare_pools=self._spare_pools(tj, snapshot, attempt_pods),
             queue_name=queue_name(tj, self.default_queue),
             nodes=self._node_facts(snapshot, facts, tj.status.in_place_round),
         )
+
+    def _spare_pools(self, tj: api.TrainingJob, snapshot: Snapshot, attempt_pods: list[dict[str, Any]]) -> int | None:
+        if snapshot.all_nodes is None:
+            return None
+        hosts = slice_shape(tj.spec.tpu.accelerator, tj.spec.tpu.topology).hosts
+        busy = [node for p in attempt_pods if (node := (p.get("spec") or {}).get("nodeName"))]
+        return elastic.spare_pools(tj, snapshot.all_nodes, hosts, busy)
 
     def _read_storage(
         self, key: JobKey, job: JobMemory, tj: api.TrainingJob, workers_running: bool, deciding: bool

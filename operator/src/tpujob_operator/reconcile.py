@@ -17,7 +17,7 @@ from datetime import datetime
 
 from tpujob_contract import STORAGE_DENIED_PREFIX, ExitCode
 
-from . import frameworks, goodput
+from . import elastic, frameworks, goodput
 from .api import (
     RECREATE,
     FailureEvidence,
@@ -25,6 +25,7 @@ from .api import (
     FailureTimeline,
     Phase,
     QueueStatus,
+    ResizeRecord,
     RestartStrategy,
     Stage,
     TrainingJob,
@@ -86,7 +87,7 @@ def reconcile(tj: TrainingJob, observed: Observed) -> tuple[TrainingJobStatus, A
     status, actions = _decide(tj, observed)
     status = _with_queue(status, observed, tj.metadata.get("uid"))
     status = _with_timeline(status, observed, actions, tj.metadata.get("uid"))
-    status.goodput = goodput.advance(tj.status, status, observed.progress, observed.now)
+    status.goodput = goodput.advance(tj.status, status, observed.progress, observed.now, tj.spec.tpu.slices)
     return status, actions
 
 
@@ -156,9 +157,10 @@ def _decide(tj: TrainingJob, observed: Observed) -> tuple[TrainingJobStatus, Act
     status.job_set_name = jobset_name(tj.name, attempt)
     current = next((js for js in live if js.attempt == attempt), None)
     older = [js.name for js in live if js.attempt < attempt]
-    if tj.spec.suspend and observed.queue_name:
-        # A queued job's suspension deletes its JobSet with the workers' save grace (see _queued);
-        # if the operator died after writing the new attempt, the delete is finished the same way.
+    if (tj.spec.suspend and observed.queue_name) or _growing(status):
+        # A queued job's suspension deletes its JobSet with the workers' save grace (see _queued), and so
+        # does a job growing to more slices; if the operator died after writing the new attempt, the
+        # delete is finished the same way.
         actions.stop = older
     else:
         actions.delete = older
@@ -325,10 +327,18 @@ def _without_jobset(
         actions.requeue_after = 2.0
         message = f"waiting for {observed.foreign_pods} worker pods of an earlier TrainingJob of this name to end"
         return _enter(status, "Pending", "RemovingOrphans", message, "Scheduling", now), actions
+    resizing = _phase_reason(status) == elastic.RESIZING
+    if resizing and observed.earlier_pods:
+        # The stopped workers save on SIGTERM: the resized attempt restores what they commit, and never
+        # writes the run directory beside them.
+        actions.requeue_after = 2.0
+        message = f"waiting for {observed.earlier_pods} worker pods of the previous attempt to save and stop"
+        return _enter(status, "Restarting", elastic.RESIZING, message, "Scheduling", now), actions
     # Without storage the latest committed step is unknown: leave the choice to the trainer (-1),
     # which waits for storage at start and then restores the latest committed step itself.
     latest = observed.latest_committed_step if observed.storage_error is None else None
     actions.create_attempt = status.attempt
+    actions.create_slices = status.slices
     actions.resume_step = latest
     actions.requeue_after = RECHECK_SECONDS
     status.next_restart_time = None
@@ -346,6 +356,9 @@ def _without_jobset(
     status = _staged(status, "Scheduling", now)
     if _phase_reason(status) == "JobSetRefused":
         return status, actions  # tried again; the refusal stays reported until the JobSet exists
+    if resizing:
+        message = f"attempt {status.attempt} resumes {where} on {elastic.slices_in_force(tj, status)} slices"
+        return with_phase(status, "Restarting", elastic.RESIZING, message, now), actions
     if _phase_reason(status) == "Resuming":  # a resume that replaced a stale JobSet: nothing failed
         return with_phase(status, "Pending", "Resuming", f"attempt {status.attempt} resumes {where}", now), actions
     if status.phase is None:
@@ -541,6 +554,8 @@ def _while_active(
             failure = Failure("SchedulingTimeout", "SchedulingTimeout", timeout, None, now)
             return _after_failure(tj, status, observed, actions, current, failure)
         unschedulable = next((p.unschedulable_message for p in current.pods if p.unschedulable_message), None)
+        if unschedulable and (resized := _shrunk(tj, status, observed, actions, current, floor, unschedulable)):
+            return resized
         # The scheduler's reason first: with exclusive placement JobSet refuses the other pods of a
         # slice until its leader pod is placed, so their refusal is the consequence, not the cause.
         if unschedulable:
@@ -581,9 +596,102 @@ def _while_active(
             now,
         )
         return _after_failure(tj, status, observed, actions, current, hang)
+    if (resized := _grown(tj, status, observed, actions, current)) is not None:
+        return resized
     if status.phase != "Running":
         actions.events.append(Event("Normal", "Running", f"attempt {status.attempt} is training (step {status.step})"))
     return with_phase(status, "Running", "Training", f"training at step {status.step}", now), actions
+
+
+def _growing(status: TrainingJobStatus) -> bool:
+    resize = status.last_resize
+    return (
+        _phase_reason(status) == elastic.RESIZING
+        and resize is not None
+        and resize.attempt == status.attempt
+        and resize.to_slices > resize.from_slices
+    )
+
+
+def _shrunk(
+    tj: TrainingJob,
+    status: TrainingJobStatus,
+    observed: Observed,
+    actions: Actions,
+    current: JobSetFacts,
+    since: datetime,
+    unschedulable: str,
+) -> tuple[TrainingJobStatus, Actions] | None:
+    """spec.elastic: a slice unschedulable for shrinkAfterSeconds makes the next attempt the largest
+    allowed size the placed slices fill. The attempt has trained nothing (it is still scheduling):
+    its pods go at once. None: wait on (not elastic, not long enough, or no smaller size fits)."""
+    spec = tj.spec.elastic
+    if spec is None:
+        return None
+    waited = (observed.now - since).total_seconds()
+    hosts = current.expected_pods // max(1, current.slices) if current.slices else 0
+    now_slices = current.slices or elastic.slices_in_force(tj, status)
+    target = elastic.shrink_to(tj, now_slices, elastic.placed_slices(current, hosts) if hosts else 0)
+    if target is None:
+        return None
+    if waited < spec.shrink_after_seconds:
+        actions.requeue_after = min(actions.requeue_after or RECHECK_SECONDS, spec.shrink_after_seconds - waited)
+        return None
+    message = (
+        f"{now_slices - target} of {now_slices} slices unschedulable for {waited:.0f}s "
+        f"(shrinkAfterSeconds {spec.shrink_after_seconds}): {unschedulable}"
+    )
+    actions.delete.append(current.name)
+    return _resize(tj, status, observed, actions, now_slices, target, elastic.CAPACITY_LOST, message)
+
+
+def _grown(
+    tj: TrainingJob, status: TrainingJobStatus, observed: Observed, actions: Actions, current: JobSetFacts
+) -> tuple[TrainingJobStatus, Actions] | None:
+    """spec.elastic below full size: enough ready TPU node pools make the next attempt larger. The
+    workers are stopped with their own grace, so they save on SIGTERM (checkpoint.saveOnPreemption),
+    and the larger attempt starts once they are gone, from what they committed."""
+    now_slices = current.slices or elastic.slices_in_force(tj, status)
+    target = elastic.grow_to(tj, now_slices, observed.spare_pools)
+    if target is None:
+        return None
+    message = f"{observed.spare_pools} more TPU node pools of {tj.spec.tpu.topology} ready"
+    actions.stop.append(current.name)
+    return _resize(tj, status, observed, actions, now_slices, target, elastic.CAPACITY_RETURNED, message)
+
+
+def _resize(
+    tj: TrainingJob,
+    status: TrainingJobStatus,
+    observed: Observed,
+    actions: Actions,
+    before: int,
+    after: int,
+    reason: str,
+    message: str,
+) -> tuple[TrainingJobStatus, Actions]:
+    """Move to the next attempt on `after` slices: no failure, no restart counted, nothing lost that the
+    committed steps hold."""
+    now = observed.now
+    status.in_place_round = 0
+    status.attempt += 1
+    status.job_set_name = jobset_name(tj.name, status.attempt)
+    status.slices = after
+    status.resizes += 1
+    status.last_resize = ResizeRecord(
+        time=rfc3339(now),
+        from_slices=before,
+        to_slices=after,
+        reason=reason,
+        message=message,
+        attempt=status.attempt,
+        step=_known_latest_step(status, observed),
+    )
+    verb = "shrinks" if after < before else "grows"
+    told = f"{verb} from {before} to {after} slices (attempt {status.attempt}): {message}"
+    actions.events.append(Event("Warning" if after < before else "Normal", "Resized", told))
+    actions.requeue_after = 2.0  # the next decision creates the attempt, once the stopped pods are gone
+    return _enter(status, "Restarting", elastic.RESIZING, told, "Scheduling", now), actions
 
 
 def _after_failure(

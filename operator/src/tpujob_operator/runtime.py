@@ -254,7 +254,7 @@ class Runtime:
         # exists; the Events come before the suspension they announce.
         self.applier.tear_down(key, job, actions)
         if actions.create_attempt is not None:
-            self.applier.create(job, tj, actions.create_attempt, actions.resume_step, queue)
+            self.applier.create(job, tj, actions.create_attempt, actions.resume_step, queue, actions.create_slices)
             if (refused := job.refused) is not None:  # what apply saw, decided on at once
                 job.refused = None
                 after, told = after_creation_refused(status, refused, datetime.now(UTC))

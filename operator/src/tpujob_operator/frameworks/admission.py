@@ -68,6 +68,10 @@ LOCAL_TIER_MESSAGE = (
     "spec.checkpoint.local is not supported with spec.framework maxtext: the local tier is the tpujob "
     "trainer's (MaxText's own emergency checkpointing is not wired to it)"
 )
+ELASTIC_MESSAGE = (
+    "spec.elastic is not supported with spec.framework maxtext: its global batch would change with the slice "
+    "count (the tpujob trainer accumulates gradients to keep it)"
+)
 ARGS_MESSAGE = (
     "spec.args must not set " + ", ".join(f"{k}=" for k in OPERATOR_KEYS) + " with spec.framework maxtext: "
     "the operator sets them from metadata and spec.checkpoint"
@@ -102,6 +106,7 @@ MAXTEXT_CEL_RULES: tuple[JsonValue, ...] = (
         "!has(self.checkpoint.policy) || self.checkpoint.policy != 'adaptive'", ADAPTIVE_MESSAGE, ".checkpoint.policy"
     ),
     _rule("!has(self.checkpoint.local)", LOCAL_TIER_MESSAGE, ".checkpoint.local"),
+    _rule("!has(self.elastic)", ELASTIC_MESSAGE, ".elastic"),
     _rule(
         "!has(self.args) || self.args.all(a, " + " && ".join(f"!a.startsWith('{p}')" for p in _ARG_PREFIXES) + ")",
         ARGS_MESSAGE,
@@ -127,6 +132,8 @@ def maxtext_refusals(spec: Any) -> list[str]:
         found.append(ADAPTIVE_MESSAGE)
     if ckpt.local is not None:
         found.append(LOCAL_TIER_MESSAGE)
+    if getattr(spec, "elastic", None) is not None:
+        found.append(ELASTIC_MESSAGE)
     if any(arg.startswith(_ARG_PREFIXES) for arg in spec.args or []):
         found.append(ARGS_MESSAGE)
     if any(e.name in RESERVED_ENV for e in spec.env or []):
