@@ -10,7 +10,7 @@ PY := $(VENV)/bin/python
 DEPS_STAMP := $(VENV)/.deps-$(shell cat requirements-dev.txt contract/pyproject.toml operator/pyproject.toml trainer_image/pyproject.toml devcluster/pyproject.toml | sha1sum | cut -c1-12)
 PYTEST_ARGS ?=
 
-.PHONY: setup venv binaries tools prometheus maxtext-venv checkov-venv docs-venv crds lint test test-unit test-integration test-trainer up down demo bench bench-recovery bench-scale clean
+.PHONY: setup venv binaries tools prometheus maxtext-venv checkov-venv docs-venv crds lint test test-unit test-integration test-trainer up down demo bench bench-recovery bench-scale bench-elastic clean
 
 setup: venv binaries tools prometheus
 
@@ -106,6 +106,11 @@ bench-recovery: setup
 SCALE_ARGS ?=
 bench-scale: setup
 	$(PY) bench/operator_scale.py $(SCALE_ARGS)
+
+# Goodput over a scripted capacity loss, spec.elastic against waiting, side by side in one run.
+ELASTIC_ARGS ?=
+bench-elastic: setup
+	$(PY) bench/elastic.py $(ELASTIC_ARGS)
 
 clean: down
 	rm -rf .devcluster
