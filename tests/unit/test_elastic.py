@@ -137,6 +137,34 @@ def test_the_smaller_attempt_is_created_once_the_old_pods_are_gone():
     assert (status.phase, _reason(status)) == ("Restarting", "Resizing")
 
 
+def _queued(now: datetime):
+    tj = training_job(
+        status={
+            "phase": "Pending",
+            "attempt": 3,
+            "slices": 2,
+            "stage": "Queued",
+            "stageStartTime": rfc3339(T0),
+            "conditions": [{"type": "Pending", "status": "True", "reason": "Queued"}],
+        },
+        elastic=ELASTIC,
+    )
+    queued = JobSetFacts(
+        "llama-a3", 3, None, T0, "Suspended", uid=UID, expected_pods=4, slices=2, queue_name="tpu", queue_reason="quota"
+    )
+    return reconcile(tj, Observed(now=now, jobsets=(queued,), latest_committed_step=300, queue_name="tpu"))
+
+
+def test_an_attempt_kueue_does_not_admit_goes_one_size_down_after_shrink_after_seconds():
+    status, actions = _queued(T0 + timedelta(seconds=290))
+    assert (status.attempt, status.phase, actions.delete) == (3, "Pending", [])
+    assert actions.requeue_after == pytest.approx(10)
+    status, actions = _queued(T0 + timedelta(seconds=300))
+    assert actions.delete == ["llama-a3"] and (status.attempt, status.slices) == (4, 1)
+    assert (status.last_resize.reason, _reason(status)) == ("CapacityLost", "Resizing")
+    assert "not admitted by Kueue queue tpu for 300s" in status.last_resize.message
+
+
 # -- growing -----------------------------------------------------------------------------------------
 
 

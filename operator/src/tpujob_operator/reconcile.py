@@ -487,6 +487,8 @@ def _queued(
         message = f"Kueue admitted JobSet {current.name} from queue {queue}; it is resuming"
         return _enter(status, "Pending", "Resuming", message, "Queued", now), actions
     why = f": {current.queue_reason}" if current.queue_reason else ""
+    if (resized := _shrunk_in_queue(tj, status, observed, actions, current, why)) is not None:
+        return resized
     was_admitted = tj.status.queue is not None and tj.status.queue.admitted
     if was_admitted:
         actions.events.append(
@@ -640,6 +642,32 @@ def _shrunk(
     message = (
         f"{now_slices - target} of {now_slices} slices unschedulable for {waited:.0f}s "
         f"(shrinkAfterSeconds {spec.shrink_after_seconds}): {unschedulable}"
+    )
+    actions.delete.append(current.name)
+    return _resize(tj, status, observed, actions, now_slices, target, elastic.CAPACITY_LOST, message)
+
+
+def _shrunk_in_queue(
+    tj: TrainingJob, status: TrainingJobStatus, observed: Observed, actions: Actions, current: JobSetFacts, why: str
+) -> tuple[TrainingJobStatus, Actions] | None:
+    """spec.elastic under Kueue: an attempt its queue has not admitted for shrinkAfterSeconds goes one
+    allowed size down (its Workload asks for that much less quota). It has no pods: Kueue keeps a
+    JobSet it has not admitted suspended, and one it preempted has stopped (its workers saved)."""
+    spec = tj.spec.elastic
+    since = parse_time(status.stage_start_time) if status.stage == "Queued" else None
+    if spec is None or since is None or _phase_reason(status) != "Queued":
+        return None
+    now_slices = current.slices or elastic.slices_in_force(tj, status)
+    target = elastic.shrink_to(tj, now_slices, now_slices - 1)
+    if target is None:
+        return None
+    waited = (observed.now - since).total_seconds()
+    if waited < spec.shrink_after_seconds:
+        actions.requeue_after = min(actions.requeue_after or RECHECK_SECONDS, spec.shrink_after_seconds - waited)
+        return None
+    message = (
+        f"not admitted by Kueue queue {current.queue_name} for {waited:.0f}s "
+        f"(shrinkAfterSeconds {spec.shrink_after_seconds}){why}"
     )
     actions.delete.append(current.name)
     return _resize(tj, status, observed, actions, now_slices, target, elastic.CAPACITY_LOST, message)
