@@ -11,6 +11,8 @@ from tpujob_operator import api, elastic
 from tpujob_operator.facts import JobSetFacts, JobSetState, Observed, PodFacts
 from tpujob_operator.jobset import build_jobset, jobset_facts
 from tpujob_operator.metrics import OperatorMetrics
+from tpujob_operator.nodes import slim_node
+from tpujob_operator.observe import snapshot
 from tpujob_operator.reconcile import reconcile
 from tpujob_operator.status import rfc3339
 
@@ -296,3 +298,16 @@ def test_resizes_are_counted_by_direction_and_the_slices_in_force_are_a_gauge():
     assert metrics.registry.get_sample_value("tpujob_resizes_total", {**labels, "direction": "shrink"}) == 1
     assert metrics.registry.get_sample_value("tpujob_slices", labels) == 1
     assert metrics.registry.get_sample_value("tpujob_full_slices", labels) == 2
+
+
+def test_the_node_cache_keeps_the_pool_labels_and_only_an_elastic_job_below_full_size_gets_every_node():
+    kept = slim_node(_node("a-0", "a"))
+    assert kept["metadata"]["labels"] == _node("a-0", "a")["metadata"]["labels"]
+    nodes = {"a-0": [kept], "a-1": [slim_node(_node("a-1", "a"))]}
+    full = training_job(elastic=ELASTIC).model_dump(by_alias=True, exclude_none=True)
+    key = ("ml", "llama")
+    for status, expected in (({}, None), ({"slices": 1}, ["a-0", "a-1"])):
+        indexes: Any = {"trainingjobs": {key: [{**full, "status": status}]}, "nodes": nodes}
+        found = snapshot(key, indexes, None)
+        assert found is not None
+        assert (sorted(n["metadata"]["name"] for n in found.all_nodes) if found.all_nodes else None) == expected

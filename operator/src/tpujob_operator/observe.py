@@ -175,11 +175,14 @@ def snapshot(key: JobKey, indexes: Indexes, job: JobMemory | None) -> Snapshot |
     return Snapshot(key, dict(body), jobsets, pods, workloads, _nodes_under(indexes, pods), every_node)
 
 
-def _earlier_and_running(pod: Mapping[str, Any], attempt: int) -> bool:
-    """A worker pod of an attempt before `attempt` that has not ended."""
+def _earlier_and_running(pod: Mapping[str, Any], attempt: int, nodes: Mapping[str, Any] | None) -> bool:
+    """A worker pod of an attempt before `attempt` that may still run its trainer: not ended, and bound
+    to a node that exists (`nodes`: those under the job's pods; None: no node index, any node counts)."""
     label = str((pod.get("metadata", {}).get("labels") or {}).get(LABEL_ATTEMPT, ""))
     ended = (pod.get("status") or {}).get("phase") in ("Succeeded", "Failed")
-    return label.isdigit() and int(label) < attempt and not ended
+    node = (pod.get("spec") or {}).get("nodeName")
+    on_a_node = node is not None and (nodes is None or node in nodes)
+    return label.isdigit() and int(label) < attempt and not ended and on_a_node
 
 
 def _nodes_under(indexes: Indexes, pods: Iterable[dict[str, Any]]) -> dict[str, dict[str, Any]] | None:
@@ -336,7 +339,7 @@ class Observer:
             storage_error=error,
             storage_denied=denied and error is not None,
             foreign_pods=len(foreign_running),
-            earlier_pods=len([p for p in ours if _earlier_and_running(p, tj.status.attempt)]),
+            earlier_pods=len([p for p in ours if _earlier_and_running(p, tj.status.attempt, snapshot.nodes)]),
             spare_pools=self._spare_pools(tj, snapshot, attempt_pods),
             queue_name=queue_name(tj, self.default_queue),
             nodes=self._node_facts(snapshot, facts, tj.status.in_place_round),
