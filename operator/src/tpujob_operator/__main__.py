@@ -56,7 +56,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="the InPlace jobs' container restart rule: Restart (Kubernetes 1.35, with the kubelet's crash-loop "
         "back-off) or RestartAllContainers (needs the nodes' 1.35 alpha gates; no back-off)",
     )
-    scale = parser.add_argument_group("scale (see the README's 'Operator at fleet scale')")
+    scale = parser.add_argument_group("scale (see docs/concepts/fleet-scale.md)")
     scale.add_argument(
         "--max-concurrent-reconciles", type=int, default=8, metavar="N", help="jobs reconciled at once (default 8)"
     )

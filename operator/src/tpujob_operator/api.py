@@ -648,7 +648,7 @@ class RestartSpec(ApiModel):
             "in-place restart (every worker container restarts on its node, pods and volumes kept; a pod whose "
             "node is gone is recreated), climbing to Recreate after inPlace.maxRestarts or "
             "inPlace.recoveryDeadlineSeconds. InPlace needs JobSet's InPlaceRestart and Kubernetes' "
-            "ContainerRestartRules feature gates and the agent in the image (README)."
+            "ContainerRestartRules feature gates and the agent in the image (docs/concepts/restart-ladder.md)."
         ),
     )
     in_place: InPlaceSpec = Field(
@@ -764,7 +764,7 @@ class TrainingJobSpec(ApiModel):
         description=(
             "tpujob: the image runs the project's trainer contract (TPUJOB_* env, progress record). maxtext: "
             "the image runs MaxText (python -m maxtext.trainers.pre_train.train) unchanged; the operator "
-            "appends MaxText's checkpoint flags to args and sets XPK's start-up env (README, Running MaxText). "
+            "appends MaxText's checkpoint flags to args and sets XPK's start-up env (docs/guides/maxtext.md). "
             "Immutable: the run's checkpoint layout depends on it."
         ),
         json_schema_extra={"x-kubernetes-validations": [cel("self == oldSelf", FRAMEWORK_IMMUTABLE_MESSAGE)]},

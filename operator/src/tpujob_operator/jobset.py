@@ -57,7 +57,7 @@ CONTAINER_SECURITY_CONTEXT: dict[str, Any] = {"allowPrivilegeEscalation": False,
 # it waits at the JobSet's barrier, runs WORKER_COMMAND, and exits with the worker's code, or with
 # IN_PLACE_RESTART_EXIT_CODE when another pod's failure asks every worker to restart. The kubelet then
 # restarts the container on its node (container restartPolicyRules, Kubernetes' ContainerRestartRules).
-IN_PLACE_AGENT = "in-place-restart-agent"  # on the trainer image's PATH (README: what a cluster needs)
+IN_PLACE_AGENT = "in-place-restart-agent"  # on the trainer image's PATH (docs/concepts/restart-ladder.md)
 IN_PLACE_RESTART_EXIT_CODE = 86  # no trainer exit code (contract.ExitCode) and no 128+signal
 JOBSET_NAME_ANNOTATION = "jobset.sigs.k8s.io/jobset-name"  # the JobSet controller sets it on every pod
 IN_PLACE_RESTART_ATTEMPT_ANNOTATION = "jobset.sigs.k8s.io/in-place-restart-attempt"  # the agent sets it on its pod

@@ -18,7 +18,7 @@ from pydantic import JsonValue
 # --- MaxText (spec.framework: maxtext) ---------------------------------------------------------------
 
 MAXTEXT = "maxtext"
-# The TrainingJob field -> MaxText flag mapping (README, "Running MaxText"). Names from MaxText 0.2.5's
+# The TrainingJob field -> MaxText flag mapping (docs/guides/maxtext.md). Names from MaxText 0.2.5's
 # configs/base.yml; `enable_autocheckpoint` is its save-at-the-preemption-step flag.
 BASE_OUTPUT_DIRECTORY = "base_output_directory"
 RUN_NAME = "run_name"
