@@ -106,7 +106,7 @@ def _run_policy(args: argparse.Namespace, spec: str, root: Path) -> dict[str, An
         from tpujob_trainer.local_tier import LocalTier
 
         local_dir = Path(os.environ.get("TPUJOB_BENCH_LOCAL_DIR") or root.parent / "local") / name
-        local = LocalTier(LocalTierConfig(str(local_dir), int(local_every)), f"gs://{BUCKET}/{name}", "bench")
+        local = LocalTier(LocalTierConfig(str(local_dir), int(local_every)), f"gs://{BUCKET}/{name}", "bench", 1)
     local_blocked_s, local_saves = 0.0, 0
     mngr, cadence = None, None
     meter = SaveCostMeter()

@@ -185,10 +185,11 @@ class Job:
         record: dict[str, Any] = json.loads(raw)
         return record
 
-    def digest(self, step: int) -> dict[str, str]:
-        """sha256 of every leaf of the checkpointed state at `step` (params, optimizer, step, data)."""
+    def digest(self, step: int, npz: Path | None = None) -> dict[str, str]:
+        """sha256 of every leaf of the checkpointed state at `step` (params, optimizer, step, data);
+        `npz`: also write the leaves there (np.load), keyed by the same paths."""
         out = subprocess.run(
-            [sys.executable, str(DIGEST), self.checkpoint_dir, str(step)],
+            [sys.executable, str(DIGEST), self.checkpoint_dir, str(step), *([str(npz)] if npz else [])],
             env=self.base_env,
             capture_output=True,
             text=True,

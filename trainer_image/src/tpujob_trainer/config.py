@@ -121,6 +121,14 @@ class Topology:
     num_slices: int
     # How long JAX's start-up waits for all peers (Env.DISTRIBUTED_INIT_TIMEOUT_SECONDS)
     init_timeout_seconds: int = DEFAULT_DISTRIBUTED_INIT_TIMEOUT_SECONDS
+    # spec.tpu.slices (Env.FULL_SLICES), the size the training math is defined for; None: num_slices.
+    # An elastic attempt on fewer slices accumulates gradients so that each step is the full-size one.
+    full_slices: int | None = None
+
+    @property
+    def microbatches(self) -> int:
+        """Gradient-accumulation steps per update: full_slices // num_slices (1 at full size)."""
+        return (self.full_slices or self.num_slices) // self.num_slices
 
 
 @dataclasses.dataclass(frozen=True)
@@ -302,7 +310,15 @@ def topology_from_env(env: Mapping[str, str]) -> Topology:
     _require(num_processes == 1 or coordinator is not None, "TPUJOB_COORDINATOR_ADDRESS is required with >1 process")
     wait = _int(env, Env.DISTRIBUTED_INIT_TIMEOUT_SECONDS, DEFAULT_DISTRIBUTED_INIT_TIMEOUT_SECONDS)
     _require(wait >= 0, f"{Env.DISTRIBUTED_INIT_TIMEOUT_SECONDS}={wait} must be >= 0 (0: for ever)")
-    return Topology(coordinator, process_id, num_processes, num_slices, min(wait or FOREVER_SECONDS, FOREVER_SECONDS))
+    full_slices = _int(env, Env.FULL_SLICES, num_slices)
+    _require(
+        num_slices <= full_slices and full_slices % num_slices == 0,
+        f"{Env.FULL_SLICES}={full_slices} is not a multiple of {Env.NUM_SLICES}={num_slices} "
+        "(an elastic attempt runs on a divisor of the full slice count, accumulating full/num microbatches)",
+    )
+    return Topology(
+        coordinator, process_id, num_processes, num_slices, min(wait or FOREVER_SECONDS, FOREVER_SECONDS), full_slices
+    )
 
 
 def parse_config(argv: Sequence[str], env: Mapping[str, str]) -> Config:

@@ -43,12 +43,13 @@ STEPS_DIR = "checkpoints"
 _AGREE_SLOTS = 8  # newest committed local steps each process offers to the agreement
 
 
-def identity(run_dir: str, job_uid: str) -> dict[str, Any]:
+def identity(run_dir: str, job_uid: str, num_slices: int) -> dict[str, Any]:
     """What a local step must have been written by to be restored here: the same run (the GCS tier's
-    own identity), the same TrainingJob incarnation, and the same process layout (each process holds
-    only its own shards)."""
+    own identity), the same TrainingJob incarnation, and the same process layout and mesh (each
+    process holds only its own shards; an elastic attempt on another slice count has another mesh)."""
     return {"run_dir": run_dir, "uid": job_uid, "process_index": jax.process_index(),
-            "process_count": jax.process_count(), "device_count": jax.device_count()}  # fmt: skip
+            "process_count": jax.process_count(), "device_count": jax.device_count(),
+            "num_slices": num_slices}  # fmt: skip
 
 
 def prepare(directory: str, want: dict[str, Any]) -> Path:
@@ -95,13 +96,13 @@ def _quiet_orbax(record: logging.LogRecord) -> bool:
 class LocalTier:
     """One process's local checkpoint manager (every process opens one, at the same steps)."""
 
-    def __init__(self, cfg: LocalTierConfig, run_dir: str, job_uid: str):
+    def __init__(self, cfg: LocalTierConfig, run_dir: str, job_uid: str, num_slices: int):
         self.cfg = cfg
         absl_log = logging.getLogger("absl")
         if _quiet_orbax not in absl_log.filters:
             absl_log.addFilter(_quiet_orbax)
         processes = set(range(jax.process_count()))
-        steps = prepare(cfg.directory, identity(run_dir, job_uid))
+        steps = prepare(cfg.directory, identity(run_dir, job_uid, num_slices))
         # Removes what a killed attempt left half-written (not committed: never listed anyway).
         for tmp in steps.glob("*.orbax-checkpoint-tmp*"):
             shutil.rmtree(tmp, ignore_errors=True)

@@ -136,7 +136,7 @@ def _open_local(cfg: Config) -> LocalTier | None:
         return None
     local: LocalTier | None = None
     try:
-        local = LocalTier(cfg.local_tier, cfg.run_dir, cfg.job_uid)
+        local = LocalTier(cfg.local_tier, cfg.run_dir, cfg.job_uid, cfg.topology.num_slices)
     except Exception as err:
         log.warning("local tier: %s unusable (%s)", cfg.local_tier.directory, failures.short_error(err))
     if checkpointing.agree_all(local is not None):
@@ -472,7 +472,11 @@ def run(cfg: Config, process_started_at: str | None = None) -> ExitCode:
         checkpoint_dir = str(mngr.directory)
         writer = progress.ProgressWriter(cfg.run_dir, lambda s: checkpointing.is_committed(checkpoint_dir, s))
     try:
-        trainer = Trainer(tc, make_mesh(cfg.topology.num_slices))
+        topo = cfg.topology
+        if topo.microbatches > 1:
+            log.info("elastic: %d of %d slices, %d microbatches per step (the full-size run's batch and schedule)",
+                     topo.num_slices, topo.full_slices, topo.microbatches)  # fmt: skip
+        trainer = Trainer(tc, make_mesh(topo.num_slices), topo.microbatches)
         try:
             state = _restore_or_init(cfg, trainer, mngr, status, local)
         except CheckpointIncompatible as err:

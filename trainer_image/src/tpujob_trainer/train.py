@@ -3,6 +3,11 @@
 Mesh: `data` spans slices (pure data parallelism over DCN), `fsdp` spans the devices of one slice
 (parameters and optimizer state are sharded over ICI and all-gathered per layer by XLA). The batch
 is split over both axes.
+
+Elastic (an attempt on fewer slices than the full size, Topology.microbatches > 1): each step
+accumulates gradients over that many microbatches of the unchanged global batch, then applies one
+update, so the batch, the schedule and the data order stay those of the full-size run while each
+device's microbatch is the full-size run's per-device batch (memory per device unchanged).
 """
 
 from __future__ import annotations
@@ -86,10 +91,31 @@ def init_state(cfg: TrainConfig, optimizer: optax.GradientTransformation, key: j
     return {"params": params, "opt_state": optimizer.init(params), "step": step, "data_position": step}
 
 
+def accumulated_loss_and_grads(
+    params: model.Params, tokens: jax.Array, cfg: TrainConfig, dtype: jnp.dtype
+) -> tuple[jax.Array, model.Params]:
+    """Mean loss and mean gradient over microbatches tokens[a] ([A, B/A, L]), one at a time (scan)."""
+    grad_fn = jax.value_and_grad(model.loss_fn)
+
+    def one(carry: tuple[jax.Array, model.Params], micro: jax.Array) -> tuple[tuple[jax.Array, model.Params], None]:
+        loss_sum, grad_sum = carry
+        loss, grads = grad_fn(params, micro, cfg.model, dtype)
+        return (loss_sum + loss, jax.tree.map(jnp.add, grad_sum, grads)), None
+
+    zero = (jnp.zeros((), jnp.float32), jax.tree.map(jnp.zeros_like, params))
+    (loss_sum, grad_sum), _ = jax.lax.scan(one, zero, tokens)
+    count = tokens.shape[0]
+    return loss_sum / count, jax.tree.map(lambda g: g / count, grad_sum)
+
+
 def train_step(
     state: State, tokens: jax.Array, *, cfg: TrainConfig, optimizer: optax.GradientTransformation, dtype: jnp.dtype
 ) -> tuple[State, jax.Array]:
-    loss, grads = jax.value_and_grad(model.loss_fn)(state["params"], tokens, cfg.model, dtype)
+    """One update. tokens: the global batch [B, L], or [A, B/A, L] to accumulate over A microbatches."""
+    if tokens.ndim == 3:
+        loss, grads = accumulated_loss_and_grads(state["params"], tokens, cfg, dtype)
+    else:  # the full-size step, unchanged (exact-resume digests compare it bit for bit)
+        loss, grads = jax.value_and_grad(model.loss_fn)(state["params"], tokens, cfg.model, dtype)
     updates, opt_state = optimizer.update(grads, state["opt_state"], state["params"])
     step = state["step"] + 1
     new_state = {
@@ -104,11 +130,19 @@ def train_step(
 class Trainer:
     """Binds config, mesh and shardings to the pure functions above."""
 
-    def __init__(self, cfg: TrainConfig, mesh: Mesh):
+    def __init__(self, cfg: TrainConfig, mesh: Mesh, microbatches: int = 1):
         n_devices = mesh.devices.size
-        if cfg.batch_size % n_devices:
-            raise ConfigError(f"batch size {cfg.batch_size} is not divisible by the {n_devices} devices")
-        self.cfg, self.mesh = cfg, mesh
+        if cfg.batch_size % microbatches:
+            raise ConfigError(f"batch size {cfg.batch_size} is not divisible into {microbatches} microbatches")
+        micro = cfg.batch_size // microbatches
+        if micro % n_devices:
+            what = (
+                f"batch size {micro}"
+                if microbatches == 1
+                else f"microbatch size {micro} ({cfg.batch_size} / {microbatches})"
+            )
+            raise ConfigError(f"{what} is not divisible by the {n_devices} devices")
+        self.cfg, self.mesh, self.microbatches = cfg, mesh, microbatches
         self.dtype = resolve_dtype(cfg.dtype, jax.devices()[0].platform)
         self.optimizer = make_optimizer(cfg)
         init = functools.partial(init_state, cfg, self.optimizer)
@@ -120,7 +154,9 @@ class Trainer:
             jax.eval_shape(init, jax.random.key(0)),
         )
         shardings = jax.tree.map(lambda s: s.sharding, self.abstract_state)
-        self.batch_sharding = NamedSharding(mesh, spec((DATA, FSDP), None))
+        # Rows over (data, fsdp); with microbatches, the rows of each microbatch ([A, B/A, L]).
+        rows = spec((DATA, FSDP), None) if microbatches == 1 else spec(None, (DATA, FSDP), None)
+        self.batch_sharding = NamedSharding(mesh, rows)
         self._init: Callable[[jax.Array], State] = jax.jit(init, out_shardings=shardings)
         self._step = jax.jit(
             functools.partial(train_step, cfg=cfg, optimizer=self.optimizer, dtype=self.dtype),
@@ -133,7 +169,10 @@ class Trainer:
         return self._init(jax.random.key(self.cfg.seed))
 
     def device_batch(self, global_batch: np.ndarray) -> jax.Array:
-        """Each process materialises only its own shards of the (host-computed) global batch."""
+        """Each process materialises only its own shards of the (host-computed) global batch; with
+        microbatches, microbatch a is rows [a*B/A, (a+1)*B/A) of it, in order."""
+        if self.microbatches > 1:
+            global_batch = global_batch.reshape(self.microbatches, -1, *global_batch.shape[1:])
         return jax.make_array_from_callback(global_batch.shape, self.batch_sharding, lambda idx: global_batch[idx])
 
     def step(self, state: State, tokens: jax.Array) -> tuple[State, jax.Array]:
