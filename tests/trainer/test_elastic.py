@@ -70,10 +70,10 @@ def _restored(job: Job) -> int | None:
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_shrink_to_one_slice_and_grow_back_ends_where_the_uninterrupted_run_does(
-    gcs: FakeGcsServer, trainer_env: dict[str, str], tmp_path: Path
+    gcs: FakeGcsServer, trainer_env: dict[str, str], tmp_path: Path, run_name: str
 ) -> None:
-    reference = Job(gcs, trainer_env, tmp_path / "reference", f"elastic-ref-{tmp_path.name[-12:]}")
-    job = Job(gcs, trainer_env, tmp_path / "elastic", f"elastic-{tmp_path.name[-12:]}")
+    reference = Job(gcs, trainer_env, tmp_path / "reference", f"{run_name}-reference")
+    job = Job(gcs, trainer_env, tmp_path / "elastic", f"{run_name}-elastic")
     for j in (reference, job):
         j.log_dir.mkdir()
     try:
