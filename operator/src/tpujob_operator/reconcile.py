@@ -627,24 +627,13 @@ def _shrunk(
     """spec.elastic: a slice unschedulable for shrinkAfterSeconds makes the next attempt the largest
     allowed size the placed slices fill. The attempt has trained nothing (it is still scheduling):
     its pods go at once. None: wait on (not elastic, not long enough, or no smaller size fits)."""
-    spec = tj.spec.elastic
-    if spec is None:
-        return None
-    waited = (observed.now - since).total_seconds()
-    hosts = current.expected_pods // max(1, current.slices) if current.slices else 0
+    hosts = current.expected_pods // current.slices if current.slices else 0
     now_slices = current.slices or elastic.slices_in_force(tj, status)
     target = elastic.shrink_to(tj, now_slices, elastic.placed_slices(current, hosts) if hosts else 0)
     if target is None:
         return None
-    if waited < spec.shrink_after_seconds:
-        actions.requeue_after = min(actions.requeue_after or RECHECK_SECONDS, spec.shrink_after_seconds - waited)
-        return None
-    message = (
-        f"{now_slices - target} of {now_slices} slices unschedulable for {waited:.0f}s "
-        f"(shrinkAfterSeconds {spec.shrink_after_seconds}): {unschedulable}"
-    )
-    actions.delete.append(current.name)
-    return _resize(tj, status, observed, actions, now_slices, target, elastic.CAPACITY_LOST, message)
+    cause = f"{now_slices - target} of {now_slices} slices unschedulable"
+    return _shrunk_when_due(tj, status, observed, actions, current, since, target, cause, f": {unschedulable}")
 
 
 def _shrunk_in_queue(
@@ -653,24 +642,40 @@ def _shrunk_in_queue(
     """spec.elastic under Kueue: an attempt its queue has not admitted for shrinkAfterSeconds goes one
     allowed size down (its Workload asks for that much less quota). It has no pods: Kueue keeps a
     JobSet it has not admitted suspended, and one it preempted has stopped (its workers saved)."""
-    spec = tj.spec.elastic
     since = parse_time(status.stage_start_time) if status.stage == "Queued" else None
-    if spec is None or since is None or _phase_reason(status) != "Queued":
+    if since is None or _phase_reason(status) != "Queued":
         return None
     now_slices = current.slices or elastic.slices_in_force(tj, status)
     target = elastic.shrink_to(tj, now_slices, now_slices - 1)
     if target is None:
         return None
+    cause = f"not admitted by Kueue queue {current.queue_name}"
+    return _shrunk_when_due(tj, status, observed, actions, current, since, target, cause, why)
+
+
+def _shrunk_when_due(
+    tj: TrainingJob,
+    status: TrainingJobStatus,
+    observed: Observed,
+    actions: Actions,
+    current: JobSetFacts,
+    since: datetime,
+    target: int,
+    cause: str,
+    detail: str,
+) -> tuple[TrainingJobStatus, Actions] | None:
+    """Shrink to `target` once `cause` has lasted shrinkAfterSeconds from `since`; until then, be woken when it has."""
+    spec = tj.spec.elastic
+    if spec is None:
+        return None
     waited = (observed.now - since).total_seconds()
     if waited < spec.shrink_after_seconds:
         actions.requeue_after = min(actions.requeue_after or RECHECK_SECONDS, spec.shrink_after_seconds - waited)
         return None
-    message = (
-        f"not admitted by Kueue queue {current.queue_name} for {waited:.0f}s "
-        f"(shrinkAfterSeconds {spec.shrink_after_seconds}){why}"
-    )
+    message = f"{cause} for {waited:.0f}s (shrinkAfterSeconds {spec.shrink_after_seconds}){detail}"
+    before = current.slices or elastic.slices_in_force(tj, status)
     actions.delete.append(current.name)
-    return _resize(tj, status, observed, actions, now_slices, target, elastic.CAPACITY_LOST, message)
+    return _resize(tj, status, observed, actions, before, target, elastic.CAPACITY_LOST, message)
 
 
 def _grown(
