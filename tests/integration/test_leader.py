@@ -155,9 +155,20 @@ def test_a_leader_whose_lease_is_taken_exits_at_once(kube, namespace, start_oper
     operator = start_operator()
     the_leader(kube, namespace, [operator])
     coordination = client.CoordinationV1Api(kube)
-    lease = coordination.read_namespaced_lease(LEASE, namespace)
-    lease.spec.holder_identity = "intruder"
-    coordination.replace_namespaced_lease(LEASE, namespace, lease)
+
+    def taken() -> bool:
+        """Take the Lease on the version just read; the leader renewing it in between (409) means read again."""
+        lease = coordination.read_namespaced_lease(LEASE, namespace)
+        lease.spec.holder_identity = "intruder"
+        try:
+            coordination.replace_namespaced_lease(LEASE, namespace, lease)
+        except ApiException as error:
+            if error.status == 409:
+                return False
+            raise
+        return True
+
+    eventually(taken, 10 * RETRY_PERIOD, interval=0.05, what="the Lease taken")
     taken_at = time.monotonic()
     assert operator.process.wait(RENEW_DEADLINE + RETRY_PERIOD + 5) == leader.LOST_EXIT_CODE
     assert time.monotonic() - taken_at < RENEW_DEADLINE + RETRY_PERIOD + 2
