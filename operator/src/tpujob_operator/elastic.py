@@ -26,8 +26,9 @@ RESIZING = "Resizing"  # the phase reason from a resize's decision until its att
 _BLOCKING_EFFECTS = ("NoSchedule", "NoExecute")
 
 
-def slices_in_force(tj: TrainingJob, status: TrainingJobStatus) -> int:
-    return status.slices or tj.spec.tpu.slices
+def slices_in_force(tj: TrainingJob, status: TrainingJobStatus, current: JobSetFacts | None = None) -> int:
+    """The current attempt's slice count: its JobSet's, else what status decided, else the spec's."""
+    return (current.slices if current is not None else 0) or status.slices or tj.spec.tpu.slices
 
 
 def placed_slices(current: JobSetFacts, hosts_per_slice: int) -> int:

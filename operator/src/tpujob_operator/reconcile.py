@@ -54,6 +54,7 @@ from .status import (
     with_observations,
     with_phase,
 )
+from .tpu import slice_shape
 
 TERMINAL_PHASES = ("Succeeded", "Failed")
 # When a job is next re-examined without news (`Actions.requeue_after`): watch events bring news about
@@ -627,13 +628,15 @@ def _shrunk(
     """spec.elastic: a slice unschedulable for shrinkAfterSeconds makes the next attempt the largest
     allowed size the placed slices fill. The attempt has trained nothing (it is still scheduling):
     its pods go at once. None: wait on (not elastic, not long enough, or no smaller size fits)."""
-    hosts = current.expected_pods // current.slices if current.slices else 0
-    now_slices = current.slices or elastic.slices_in_force(tj, status)
-    target = elastic.shrink_to(tj, now_slices, elastic.placed_slices(current, hosts) if hosts else 0)
+    hosts = slice_shape(tj.spec.tpu.accelerator, tj.spec.tpu.topology).hosts
+    now_slices = elastic.slices_in_force(tj, status, current)
+    target = elastic.shrink_to(tj, now_slices, elastic.placed_slices(current, hosts))
     if target is None:
         return None
     cause = f"{now_slices - target} of {now_slices} slices unschedulable"
-    return _shrunk_when_due(tj, status, observed, actions, current, since, target, cause, f": {unschedulable}")
+    return _shrunk_when_due(
+        tj, status, observed, actions, current, since, now_slices, target, cause, f": {unschedulable}"
+    )
 
 
 def _shrunk_in_queue(
@@ -645,12 +648,12 @@ def _shrunk_in_queue(
     since = parse_time(status.stage_start_time) if status.stage == "Queued" else None
     if since is None or _phase_reason(status) != "Queued":
         return None
-    now_slices = current.slices or elastic.slices_in_force(tj, status)
+    now_slices = elastic.slices_in_force(tj, status, current)
     target = elastic.shrink_to(tj, now_slices, now_slices - 1)
     if target is None:
         return None
     cause = f"not admitted by Kueue queue {current.queue_name}"
-    return _shrunk_when_due(tj, status, observed, actions, current, since, target, cause, why)
+    return _shrunk_when_due(tj, status, observed, actions, current, since, now_slices, target, cause, why)
 
 
 def _shrunk_when_due(
@@ -660,11 +663,13 @@ def _shrunk_when_due(
     actions: Actions,
     current: JobSetFacts,
     since: datetime,
+    before: int,
     target: int,
     cause: str,
     detail: str,
 ) -> tuple[TrainingJobStatus, Actions] | None:
-    """Shrink to `target` once `cause` has lasted shrinkAfterSeconds from `since`; until then, be woken when it has."""
+    """Shrink from `before` to `target` slices once `cause` has lasted shrinkAfterSeconds from `since`;
+    until then, be woken when it has."""
     spec = tj.spec.elastic
     if spec is None:
         return None
@@ -673,7 +678,6 @@ def _shrunk_when_due(
         actions.requeue_after = min(actions.requeue_after or RECHECK_SECONDS, spec.shrink_after_seconds - waited)
         return None
     message = f"{cause} for {waited:.0f}s (shrinkAfterSeconds {spec.shrink_after_seconds}){detail}"
-    before = current.slices or elastic.slices_in_force(tj, status)
     actions.delete.append(current.name)
     return _resize(tj, status, observed, actions, before, target, elastic.CAPACITY_LOST, message)
 
@@ -684,7 +688,7 @@ def _grown(
     """spec.elastic below full size: enough ready TPU node pools make the next attempt larger. The
     workers are stopped with their own grace, so they save on SIGTERM (checkpoint.saveOnPreemption),
     and the larger attempt starts once they are gone, from what they committed."""
-    now_slices = current.slices or elastic.slices_in_force(tj, status)
+    now_slices = elastic.slices_in_force(tj, status, current)
     target = elastic.grow_to(tj, now_slices, observed.spare_pools)
     if target is None:
         return None
