@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import os
 import signal
-from pathlib import Path
 from typing import Any
 
 from tpujob_devcluster.cluster import BUCKET
+from tpujob_devcluster.harness import trainer_pid
 
 from .conftest import E2E
 
@@ -23,15 +23,6 @@ def _pod_uids(e2e: E2E, jobset: str) -> dict[str, str]:
         for p in e2e.pods(f"jobset.sigs.k8s.io/jobset-name={jobset}")
         if p.status.phase != "Failed"
     }
-
-
-def _trainer_pid(e2e: E2E, pod: str) -> int:
-    """The trainer itself, under the agent and its shell: a crash of the training process alone."""
-    for pid in e2e.trainer_pids(pod):
-        argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
-        if Path(argv[0].decode()).name.startswith("python") and b"tpujob-train" in b" ".join(argv):
-            return pid
-    raise AssertionError(f"no trainer process in pod {pod}")
 
 
 def test_a_crashed_trainer_restarts_in_place_from_the_local_tier(e2e):
@@ -57,7 +48,7 @@ def test_a_crashed_trainer_restarts_in_place_from_the_local_tier(e2e):
     assert len(before) == 2, before
     victim = e2e.running_pod("inplace-a0-slice-1-0")
 
-    os.kill(_trainer_pid(e2e, victim), signal.SIGKILL)
+    os.kill(trainer_pid(e2e.cluster.state_dir, e2e.namespace, victim), signal.SIGKILL)
 
     status = e2e.wait("inplace", lambda s: s.get("phase") == "Succeeded", 300, "Succeeded")
     failure = status["lastFailure"]

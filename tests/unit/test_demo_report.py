@@ -1,6 +1,7 @@
 """`make demo`'s pure parts: the fixed-interval counterfactual, the commit interval, the recovery
 stages, the ledger check, the live view's lines and the final report (80 columns, exact text)."""
 
+import dataclasses
 import io
 from datetime import UTC, datetime, timedelta
 
@@ -99,6 +100,7 @@ def _status(**failure_changes):
         "step": 229,
         "resumeStep": 221,
         "lostSteps": 8,
+        "rung": "Recreate",
         "recoverySeconds": 31.2,
         "timeline": {
             "failed": _z(0),
@@ -115,7 +117,7 @@ def _status(**failure_changes):
 
 def _seen():
     resumed = progress_record(
-        step=240, attempt=1, updated_at=_at(40), restored_step=221,
+        step=240, attempt=1, updated_at=_at(40), restored_step=221, restored_from="gcs",
         process_started_at=_at(7.25), storage_ready_at=_at(9), restore_started_at=_at(9.5),
         restore_finished_at=_at(11), first_step_at=_at(30.75),
     )  # fmt: skip
@@ -125,8 +127,10 @@ def _seen():
         killed_pod="demo-0-slice-1-0-x7k2p",
         committed_at_kill=221,
         trainer_step_before_kill=228,
-        trainer_last_step_attempt0=229,
+        trainer_last_step_of_killed_run=229,
         resumed=resumed,
+        pods_at_kill={"demo-a0-slice-0-0-ab": "u1", "demo-a0-slice-1-0-x7k2p": "u2"},
+        pods_resumed={"demo-a1-slice-0-0-cd": "u3", "demo-a1-slice-1-0-ef": "u4"},
     )
 
 
@@ -134,15 +138,17 @@ EXPECTED_REPORT = """\
 TrainingJob default/demo: Succeeded at step 500, 1 restart(s)
 failure: ApplicationError/ExitCode137 on slice 1
 killed:  demo-0-slice-1-0-x7k2p
+rung:    Recreate, restored from the gcs tier
+pods:    2 at the kill, 2 after, 0 of them the same
 
 Steps lost
   trainer's report just before the SIGKILL             228
   step reached (lastFailure.step: its last report)     229
   committed in the bucket at the kill                  221
-  resumed from (attempt 1 restored)                    221
+  resumed from (the restarted run restored)            221
   steps lost (status.lastFailure.lostSteps)              8
   [ok] lastFailure.step 229 = trainer's last reported step 229
-  [ok] resumeStep 221 = step attempt 1 restored 221
+  [ok] resumeStep 221 = step the restarted run restored 221
   [ok] resumeStep 221 >= committed in the bucket at the kill 221
   [ok] lostSteps 8 = 229 - 221
 
@@ -280,3 +286,39 @@ def test_the_report_is_about_the_kill_even_after_a_later_failure():
     unkilled = demo.Seen()
     unkilled.saw_failure(first)  # a failure before any kill is not the demo's
     assert unkilled.failure is None
+
+
+def test_an_in_place_restart_is_checked_for_the_same_pods_and_the_local_tier():
+    seen = _seen()
+    seen.pods_resumed = dict(seen.pods_at_kill)
+    seen.resumed = dataclasses.replace(seen.resumed, attempt=0, restored_from="local")
+    status = _status(rung="InPlace")
+    data = demo.report_data(status, seen)
+    assert demo.passed(data), data["checks"]
+    assert data["checks"][-2:] == [
+        {"what": "same 2 pods (names and uids) before and after the restart", "ok": True},
+        {"what": "restored from the local tier (restoredFrom local)", "ok": True},
+    ]
+    assert "pods:    the same 2 after the restart (same uids)" in demo.format_report(data)
+    recreated_pod = dict(seen.pods_at_kill, **{"demo-a0-slice-1-0-x7k2p": "new-uid"})
+    for changed in (
+        dataclasses.replace(seen, pods_resumed=recreated_pod),
+        dataclasses.replace(seen, resumed=dataclasses.replace(seen.resumed, restored_from="gcs")),
+        dataclasses.replace(seen, pods_at_kill={}, pods_resumed={}),
+    ):
+        assert not demo.passed(demo.report_data(status, changed))
+
+
+def test_the_runs_are_told_apart_by_the_trainers_start_not_the_attempt():
+    seen = demo.Seen()
+    before = progress_record(step=100, attempt=0, updated_at=_at(-1), process_started_at=_at(-60))
+    assert not seen.saw_run(before) and seen.trainer_last_step_of_killed_run == 100
+    seen.kill_time = _at(0)
+    late = progress_record(step=103, attempt=0, updated_at=_at(1), process_started_at=_at(-60))
+    assert not seen.saw_run(late) and seen.trainer_last_step_of_killed_run == 103  # process 0 ran on a moment
+    starting = progress_record(step=96, attempt=0, updated_at=_at(5), process_started_at=_at(3))
+    assert not seen.saw_run(starting) and seen.resumed is None  # restarted in place, no step trained yet
+    trained = dataclasses.replace(starting, step=97, first_step_at=_at(8))
+    assert seen.saw_run(trained) and seen.resumed == trained
+    assert not seen.saw_run(dataclasses.replace(trained, step=98))  # the first trained record only
+    assert seen.trainer_last_step_of_killed_run == 103

@@ -34,9 +34,11 @@ from tpujob_operator.checkpoints import make_client, read_progress, split_gs_pat
 
 from .cluster import BUCKET, DevCluster, read_state
 from .controlplane import REPO_ROOT
-from .harness import helm_install_operator, signal_pod
+from .harness import helm_install_operator, trainer_pid
 
 NAMESPACE = "default"
+IN_PLACE = "InPlace"  # status.lastFailure.rung of a restart in place
+LOCAL_TIER = contract.RESTORED_FROM_LOCAL
 # The demo's TrainingJobs: the custom-object calls' (group, version, namespace, plural)
 TRAININGJOBS = (contract.TRAININGJOB_GROUP, contract.TRAININGJOB_VERSION, NAMESPACE, contract.TRAININGJOB_PLURAL)
 DEMO_MANIFEST = REPO_ROOT / "examples" / "demo.yaml"
@@ -154,8 +156,11 @@ class Seen:
     killed_pod: str | None = None
     committed_at_kill: int | None = None  # latest committed step in the bucket when the worker was killed
     trainer_step_before_kill: int | None = None
-    trainer_last_step_attempt0: int | None = None  # attempt 0's last progress record (after the kill too)
-    resumed: contract.ProgressRecord | None = None  # attempt 1's record, once it trained a step
+    trainer_last_step_of_killed_run: int | None = None  # the killed run's last progress record (after the kill too)
+    resumed: contract.ProgressRecord | None = None  # the restarted run's record, once it trained a step
+    # The worker pods (name -> uid) at the kill and once training resumed: the same on the InPlace rung.
+    pods_at_kill: dict[str, str] = field(default_factory=dict)
+    pods_resumed: dict[str, str] = field(default_factory=dict)
     failure: dict[str, Any] | None = None  # status.lastFailure of the kill (not of any later failure)
     # The picture's time series, in seconds since started_at (the demo's clock: the kill's, the trainer's
     # record's and the apiserver's times are all this host's): the trainer's (attempt, step) as its record
@@ -184,6 +189,18 @@ class Seen:
         if self.samples and self.samples[-1][1:] == (record.attempt, record.step):
             return
         self.samples.append((self.seconds(record.updated), record.attempt, record.step))
+
+    def saw_run(self, record: contract.ProgressRecord) -> bool:
+        """Follow the killed run and the restarted one by the trainer's start time, not by the attempt: a
+        restart in place keeps the attempt. True when this record is the restarted run's first trained one."""
+        started = contract.parse_time(record.process_started_at)
+        if self.kill_time is None or started is None or started < self.kill_time:
+            self.trainer_last_step_of_killed_run = record.step
+            return False
+        if self.resumed is None and record.first_step_at:
+            self.resumed = record
+            return True
+        return False
 
     def seconds(self, at: datetime) -> float:
         if self.started_at is None:
@@ -290,11 +307,11 @@ def report_data(status: dict[str, Any], seen: Seen, name: str = "demo") -> dict[
     restored = seen.resumed.restored_step if seen.resumed else None
     checks = [
         Check(
-            f"lastFailure.step {step_at_kill} = trainer's last reported step {seen.trainer_last_step_attempt0}",
-            step_at_kill is not None and step_at_kill == seen.trainer_last_step_attempt0,
+            f"lastFailure.step {step_at_kill} = trainer's last reported step {seen.trainer_last_step_of_killed_run}",
+            step_at_kill is not None and step_at_kill == seen.trainer_last_step_of_killed_run,
         ),
         Check(
-            f"resumeStep {resume_step} = step attempt 1 restored {restored}",
+            f"resumeStep {resume_step} = step the restarted run restored {restored}",
             resume_step is not None and resume_step == restored,
         ),
         Check(
@@ -309,6 +326,16 @@ def report_data(status: dict[str, Any], seen: Seen, name: str = "demo") -> dict[
             and lost == step_at_kill - resume_step,
         ),
     ]
+    rung = failure.get("rung")
+    restored_from = seen.resumed.restored_from if seen.resumed else None
+    if rung == IN_PLACE:
+        checks += [
+            Check(
+                f"same {len(seen.pods_at_kill)} pods (names and uids) before and after the restart",
+                bool(seen.pods_at_kill) and seen.pods_resumed == seen.pods_at_kill,
+            ),
+            Check(f"restored from the local tier (restoredFrom {restored_from})", restored_from == LOCAL_TIER),
+        ]
     fixed = []
     if step_at_kill is not None:
         periods = [(MAXTEXT_CHECKPOINT_PERIOD, "MaxText's default")]
@@ -362,6 +389,10 @@ def report_data(status: dict[str, Any], seen: Seen, name: str = "demo") -> dict[
         "last_failure_is_the_kill": failure == (status.get("lastFailure") or {}),
         "failure": {"kind": failure.get("kind"), "reason": failure.get("reason"), "slice": failure.get("slice")},
         "killed_pod": seen.killed_pod,
+        "rung": rung,
+        "restored_from": restored_from,
+        "pods_at_kill": sorted(seen.pods_at_kill),
+        "pods_resumed": sorted(seen.pods_resumed),
         "committed_steps_seen": list(seen.committed),
         "p50_interval_steps": p50,
         "mean_steps_lost_continuous": mean_loss_over_kill_steps(commit_intervals(seen.committed)),
@@ -403,19 +434,28 @@ def passed(data: dict[str, Any]) -> bool:
     )
 
 
+def _pods_text(data: dict[str, Any]) -> str:
+    before, after = data["pods_at_kill"], data["pods_resumed"]
+    if before and before == after:
+        return f"the same {len(before)} after the restart (same uids)"
+    return f"{len(before)} at the kill, {len(after)} after, {len(set(before) & set(after))} of them the same"
+
+
 def format_report(data: dict[str, Any]) -> str:
     """The report as text, no line over 80 columns."""
     lines = [
         f"TrainingJob {data['job']}: {data['phase']} at step {data['final_step']}, {data['restarts']} restart(s)",
         f"failure: {data['failure']['kind']}/{data['failure']['reason']} on slice {data['failure']['slice']}",
         f"killed:  {data['killed_pod']}",
+        f"rung:    {_opt(data['rung'])}, restored from the {_opt(data['restored_from'])} tier",
+        f"pods:    {_pods_text(data)}",
         *([] if data.get("last_failure_is_the_kill", True) else ["(a later failure happened too: see status)"]),
         "",
         "Steps lost",
         f"  trainer's report just before the SIGKILL          {_opt(data['trainer_step_before_kill']):>6}",
         f"  step reached (lastFailure.step: its last report)  {_opt(data['step_at_kill']):>6}",
         f"  committed in the bucket at the kill               {_opt(data['committed_at_kill']):>6}",
-        f"  resumed from (attempt 1 restored)                 {_opt(data['resume_step']):>6}",
+        f"  resumed from (the restarted run restored)         {_opt(data['resume_step']):>6}",
         f"  steps lost (status.lastFailure.lostSteps)         {_opt(data['steps_lost']):>6}",
     ]
     lines += [f"  [{'ok' if c['ok'] else 'MISMATCH'}] {c['what']}" for c in data["checks"]]
@@ -483,8 +523,15 @@ def committed_steps(gcs: Any, run_dir: str, known: list[int]) -> list[int]:
     ]
 
 
+def worker_pods(core: client.CoreV1Api, js_name: str) -> dict[str, str]:
+    """The JobSet's worker pods that have not failed, name -> uid."""
+    selector = f"{contract.JOBSET_NAME_LABEL}={js_name}"
+    pods: list[Any] = core.list_namespaced_pod(NAMESPACE, label_selector=selector).items
+    return {str(p.metadata.name): str(p.metadata.uid) for p in pods if p.status.phase != "Failed"}
+
+
 def kill_one_slice_worker(core: client.CoreV1Api, state_dir: Path, js_name: str) -> str:
-    """SIGKILL the process of slice 1's first worker: a crash, as a dying host would look."""
+    """SIGKILL the trainer process of slice 1's first worker: a crash of the training process."""
     pods: list[Any] = core.list_namespaced_pod(
         NAMESPACE, label_selector=f"{contract.JOBSET_NAME_LABEL}={js_name},{contract.JOB_INDEX_ANNOTATION}=1"
     ).items
@@ -494,7 +541,7 @@ def kill_one_slice_worker(core: client.CoreV1Api, state_dir: Path, js_name: str)
     ]  # fmt: skip
     if not running:
         raise RuntimeError(f"no worker of slice 1 of {js_name} is running")
-    signal_pod(state_dir, NAMESPACE, running[0], signal.SIGKILL)
+    os.kill(trainer_pid(state_dir, NAMESPACE, running[0]), signal.SIGKILL)
     return str(running[0])
 
 
@@ -556,6 +603,7 @@ def run_demo(state_dir: Path) -> int:
         helm_install_operator(kubeconfig, "reconcile.progressCheckSeconds=5")  # status follows the short run closely
         api = config.new_client_from_config(str(kubeconfig))
         custom = client.CustomObjectsApi(api)
+        core = client.CoreV1Api(api)
         manifest = yaml.safe_load(DEMO_MANIFEST.read_text())
         name = manifest["metadata"]["name"]
         args = manifest["spec"]["args"]
@@ -584,10 +632,8 @@ def run_demo(state_dir: Path) -> int:
                 progress = read_progress(gcs, run_dir)  # the trainer's own record, not the status
                 if progress is not None:
                     seen.saw_progress(progress)
-                if progress is not None and progress.attempt == 0:
-                    seen.trainer_last_step_attempt0 = progress.step
-                if seen.resumed is None and progress is not None and progress.attempt >= 1 and progress.first_step_at:
-                    seen.resumed = progress
+                    if seen.saw_run(progress):
+                        seen.pods_resumed = worker_pods(core, status["jobSetName"])
                 live.update(snapshot(tj, seen, time.monotonic() - start, total_steps, kill_at_step), name)
                 if status.get("phase") in ("Succeeded", "Failed"):
                     break
@@ -604,15 +650,16 @@ def run_demo(state_dir: Path) -> int:
                 if due and status.get("phase") == "Running" and progress is not None and progress.attempt == 0:
                     seen.committed_at_kill = max(seen.committed)
                     seen.trainer_step_before_kill = progress.step
-                    seen.killed_pod = kill_one_slice_worker(client.CoreV1Api(api), state_dir, status["jobSetName"])
+                    seen.pods_at_kill = worker_pods(core, status["jobSetName"])
+                    seen.killed_pod = kill_one_slice_worker(core, state_dir, status["jobSetName"])
                     seen.kill_time = datetime.now(UTC)
                     live.say(f"SIGKILL {seen.killed_pod} (trainer at step {progress.step})")
                 time.sleep(0.3)
         final = read_progress(gcs, run_dir)
         if final is not None:
             seen.saw_progress(final)
-        if final is not None and final.attempt == 1:
-            seen.resumed = final  # the start-up timestamps of attempt 1 are kept in every record of it
+            if seen.resumed is not None:
+                seen.resumed = final  # the restarted run's start-up timestamps are kept in every record of it
         data = report_data(tj.get("status") or {}, seen, name)
         (state_dir / "demo-report.json").write_text(json.dumps(data, indent=2))
         print("\n" + format_report(data))

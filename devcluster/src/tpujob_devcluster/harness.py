@@ -105,6 +105,19 @@ def signal_pod(state_dir: Path, namespace: str, pod_name: str, sig: signal.Signa
         os.kill(pid, sig)
 
 
+def trainer_pid(state_dir: Path, namespace: str, pod_name: str) -> int:
+    """The trainer process of a pod (under JobSet's agent and its shell on the InPlace rung): killing it
+    alone is a crash of the training process, the container's restart rules then decide what follows."""
+    for pid in pod_pids(state_dir, namespace, pod_name):
+        try:
+            argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+        except FileNotFoundError:
+            continue
+        if Path(argv[0].decode()).name.startswith("python") and b"tpujob-train" in b" ".join(argv):
+            return pid
+    raise RuntimeError(f"no trainer process in pod {namespace}/{pod_name}")
+
+
 def _all_pids() -> list[int]:
     return [int(entry.name) for entry in Path("/proc").iterdir() if entry.name.isdigit()]
 

@@ -177,7 +177,7 @@ def _stages(ax: Axes, data: dict[str, Any]) -> None:
     """The recovery stage by stage, since the SIGKILL: each event's row has a bar from the event before it."""
     ax.set_gid("stages")
     timeline = data.get("timeline") or []
-    ax.set_title("Recovery, stage by stage (lastFailure.timeline and attempt 1's start-up record)")
+    ax.set_title("Recovery, stage by stage (lastFailure.timeline and the restarted run's start-up record)")
     if len(timeline) < 2:
         _empty(ax, "no recovery timeline in the report")
         return
