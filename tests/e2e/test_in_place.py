@@ -8,21 +8,11 @@ import signal
 from typing import Any
 
 from tpujob_devcluster.cluster import BUCKET
-from tpujob_devcluster.harness import trainer_pid
-
-from .conftest import E2E
+from tpujob_devcluster.harness import live_pod_uids, trainer_pid
 
 V5E_TWO_SLICES: dict[str, Any] = {"accelerator": "tpu-v5-lite-podslice", "topology": "2x2", "slices": 2}
 LOCAL_INTERVAL = 5
 GCS_INTERVAL = 100  # far apart: the local tier is ahead of GCS when the trainer is killed
-
-
-def _pod_uids(e2e: E2E, jobset: str) -> dict[str, str]:
-    return {
-        str(p.metadata.name): str(p.metadata.uid)
-        for p in e2e.pods(f"jobset.sigs.k8s.io/jobset-name={jobset}")
-        if p.status.phase != "Failed"
-    }
 
 
 def test_a_crashed_trainer_restarts_in_place_from_the_local_tier(e2e):
@@ -44,7 +34,7 @@ def test_a_crashed_trainer_restarts_in_place_from_the_local_tier(e2e):
         300,
         "training",
     )
-    before = _pod_uids(e2e, "inplace-a0")
+    before = live_pod_uids(e2e.core, e2e.namespace, "inplace-a0")
     assert len(before) == 2, before
     victim = e2e.running_pod("inplace-a0-slice-1-0")
 
@@ -55,7 +45,7 @@ def test_a_crashed_trainer_restarts_in_place_from_the_local_tier(e2e):
     assert (status["restarts"], status["inPlaceRestarts"], status["attempt"]) == (1, 1, 0), status
     assert (failure["rung"], failure["kind"], failure["reason"]) == ("InPlace", "ApplicationError", "ExitCode137")
     # The same pods on the same nodes: nothing was deleted, rescheduled or recreated.
-    assert _pod_uids(e2e, "inplace-a0") == before
+    assert live_pod_uids(e2e.core, e2e.namespace, "inplace-a0") == before
     assert [js["metadata"]["name"] for js in e2e.jobsets()] == ["inplace-a0"]
     restarts = {p.metadata.name: p.status.container_statuses[0].restart_count for p in e2e.pods()}
     assert all(count >= 1 for count in restarts.values()), restarts  # every worker restarted, in place

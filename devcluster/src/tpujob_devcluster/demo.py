@@ -30,15 +30,14 @@ from typing import Any
 import tpujob_contract as contract
 import yaml
 from kubernetes import client, config
+from tpujob_operator.api import IN_PLACE
 from tpujob_operator.checkpoints import make_client, read_progress, split_gs_path
 
 from .cluster import BUCKET, DevCluster, read_state
 from .controlplane import REPO_ROOT
-from .harness import helm_install_operator, trainer_pid
+from .harness import helm_install_operator, live_pod_uids, trainer_pid
 
 NAMESPACE = "default"
-IN_PLACE = "InPlace"  # status.lastFailure.rung of a restart in place
-LOCAL_TIER = contract.RESTORED_FROM_LOCAL
 # The demo's TrainingJobs: the custom-object calls' (group, version, namespace, plural)
 TRAININGJOBS = (contract.TRAININGJOB_GROUP, contract.TRAININGJOB_VERSION, NAMESPACE, contract.TRAININGJOB_PLURAL)
 DEMO_MANIFEST = REPO_ROOT / "examples" / "demo.yaml"
@@ -334,7 +333,10 @@ def report_data(status: dict[str, Any], seen: Seen, name: str = "demo") -> dict[
                 f"same {len(seen.pods_at_kill)} pods (names and uids) before and after the restart",
                 bool(seen.pods_at_kill) and seen.pods_resumed == seen.pods_at_kill,
             ),
-            Check(f"restored from the local tier (restoredFrom {restored_from})", restored_from == LOCAL_TIER),
+            Check(
+                f"restored from the local tier (restoredFrom {restored_from})",
+                restored_from == contract.RESTORED_FROM_LOCAL,
+            ),
         ]
     fixed = []
     if step_at_kill is not None:
@@ -523,13 +525,6 @@ def committed_steps(gcs: Any, run_dir: str, known: list[int]) -> list[int]:
     ]
 
 
-def worker_pods(core: client.CoreV1Api, js_name: str) -> dict[str, str]:
-    """The JobSet's worker pods that have not failed, name -> uid."""
-    selector = f"{contract.JOBSET_NAME_LABEL}={js_name}"
-    pods: list[Any] = core.list_namespaced_pod(NAMESPACE, label_selector=selector).items
-    return {str(p.metadata.name): str(p.metadata.uid) for p in pods if p.status.phase != "Failed"}
-
-
 def kill_one_slice_worker(core: client.CoreV1Api, state_dir: Path, js_name: str) -> str:
     """SIGKILL the trainer process of slice 1's first worker: a crash of the training process."""
     pods: list[Any] = core.list_namespaced_pod(
@@ -633,7 +628,7 @@ def run_demo(state_dir: Path) -> int:
                 if progress is not None:
                     seen.saw_progress(progress)
                     if seen.saw_run(progress):
-                        seen.pods_resumed = worker_pods(core, status["jobSetName"])
+                        seen.pods_resumed = live_pod_uids(core, NAMESPACE, status["jobSetName"])
                 live.update(snapshot(tj, seen, time.monotonic() - start, total_steps, kill_at_step), name)
                 if status.get("phase") in ("Succeeded", "Failed"):
                     break
@@ -650,7 +645,7 @@ def run_demo(state_dir: Path) -> int:
                 if due and status.get("phase") == "Running" and progress is not None and progress.attempt == 0:
                     seen.committed_at_kill = max(seen.committed)
                     seen.trainer_step_before_kill = progress.step
-                    seen.pods_at_kill = worker_pods(core, status["jobSetName"])
+                    seen.pods_at_kill = live_pod_uids(core, NAMESPACE, status["jobSetName"])
                     seen.killed_pod = kill_one_slice_worker(core, state_dir, status["jobSetName"])
                     seen.kill_time = datetime.now(UTC)
                     live.say(f"SIGKILL {seen.killed_pod} (trainer at step {progress.step})")
@@ -658,7 +653,7 @@ def run_demo(state_dir: Path) -> int:
         final = read_progress(gcs, run_dir)
         if final is not None:
             seen.saw_progress(final)
-            if seen.resumed is not None:
+            if seen.resumed is not None and final.process_started_at == seen.resumed.process_started_at:
                 seen.resumed = final  # the restarted run's start-up timestamps are kept in every record of it
         data = report_data(tj.get("status") or {}, seen, name)
         (state_dir / "demo-report.json").write_text(json.dumps(data, indent=2))

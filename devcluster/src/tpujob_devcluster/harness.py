@@ -14,6 +14,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+import tpujob_contract as contract
 import yaml
 from kubernetes import client
 from kubernetes.client.exceptions import ApiException
@@ -103,6 +104,12 @@ def pod_pids(state_dir: Path, namespace: str, pod_name: str) -> list[int]:
 def signal_pod(state_dir: Path, namespace: str, pod_name: str, sig: signal.Signals) -> None:
     for pid in pod_pids(state_dir, namespace, pod_name):
         os.kill(pid, sig)
+
+
+def live_pod_uids(core: Any, namespace: str, jobset: str) -> dict[str, str]:
+    """A JobSet's pods that have not failed, name -> uid: the same pods after an in-place restart."""
+    pods = core.list_namespaced_pod(namespace, label_selector=f"{contract.JOBSET_NAME_LABEL}={jobset}").items
+    return {str(p.metadata.name): str(p.metadata.uid) for p in pods if p.status.phase != "Failed"}
 
 
 def trainer_pid(state_dir: Path, namespace: str, pod_name: str) -> int:

@@ -63,6 +63,7 @@ MAX_RESTARTS = 10_000
 # runs on every cluster; InPlace needs alpha feature gates and JobSet's agent in the image.
 RestartStrategy = Literal["InPlace", "Recreate"]
 RECREATE: RestartStrategy = "Recreate"
+IN_PLACE: RestartStrategy = "InPlace"
 MAX_KEEP_LATEST = 1000
 MAX_STEPS = 1_000_000_000
 MAX_ENV = 256
