@@ -132,7 +132,7 @@ class Applier:
         manifest = build_jobset(tj, attempt, resume, queue, self.restart_action, slices)
         name = manifest["metadata"]["name"]
         existing = False
-        if tj.spec.restart.strategy == "InPlace" and not self._agent_may_run(job, tj):
+        if tj.spec.restart.strategy == api.IN_PLACE and not self._agent_may_run(job, tj):
             return
         try:
             created = kube.create_jobset(tj.namespace, manifest)

@@ -33,7 +33,7 @@ from tpujob_contract import (
 )
 
 from . import frameworks
-from .api import GROUP, KIND, VERSION, LocalCheckpointSpec, RestartSpec, TrainingJob
+from .api import GROUP, IN_PLACE, KIND, VERSION, LocalCheckpointSpec, RestartSpec, TrainingJob
 from .cadence import job_mtbf
 from .facts import JobSetFacts, JobSetState, PodFacts
 from .restarts import NOT_RESTARTED_EXIT_CODES
@@ -261,7 +261,7 @@ def build_jobset(
     # The operator, not JobSet, restarts a Recreate: a restart must pin the latest committed step
     # (found in GCS) into the workers' env and be classified and accounted for in status.
     failure_policy: dict[str, Any] = {"maxRestarts": 0}
-    if tj.spec.restart.strategy == "InPlace":
+    if tj.spec.restart.strategy == IN_PLACE:
         failure_policy = _in_place(tj, container, pod_spec, job_spec, framework.entrypoint, restart_action)
     return {
         "apiVersion": f"{JOBSET_GROUP}/{JOBSET_VERSION}",

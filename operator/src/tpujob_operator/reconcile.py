@@ -19,6 +19,7 @@ from tpujob_contract import STORAGE_DENIED_PREFIX, ExitCode
 
 from . import elastic, frameworks, goodput
 from .api import (
+    IN_PLACE,
     RECREATE,
     FailureEvidence,
     FailureRecord,
@@ -128,7 +129,7 @@ def _with_timeline(
         if timeline.pods_scheduled is None and scheduled and len(scheduled) >= (current.expected_pods or 1):
             timeline.pods_scheduled = rfc3339_precise(max(scheduled))
     progress = observed.progress
-    in_place = failure.rung == "InPlace"
+    in_place = failure.rung == IN_PLACE
     if (
         progress is not None
         and progress.attempt == status.attempt
@@ -808,7 +809,7 @@ def _after_failure(
     status.restarts += rounds
     status.counted_restarts += int(counted) * rounds
     status.last_failure = status.last_failure.model_copy(update={"rung": rung})
-    if rung == "InPlace":
+    if rung == IN_PLACE:
         return _restarting_in_place(tj, status, observed, actions, current, latest)
     status.in_place_round = 0  # the next attempt's JobSet counts its own
     delay = backoff(policy, status.counted_restarts, counted)
@@ -855,12 +856,12 @@ def _in_place(
         if (wait := node_verdict_wait(current, failure, observed.nodes, now)) is not None:
             actions.requeue_after = wait
             return status, actions
-        climb: RestartStrategy = RECREATE if current.in_place_round > rung.max_restarts else "InPlace"
+        climb: RestartStrategy = RECREATE if current.in_place_round > rung.max_restarts else IN_PLACE
         rounds = current.in_place_round - status.in_place_round
         return _after_failure(tj, status, observed, actions, current, failure, climb, rounds=rounds)
     _with_restored_step(status, observed)
     last = status.last_failure
-    if last is None or last.rung != "InPlace" or last.recovery_seconds is not None or status.phase != "Restarting":
+    if last is None or last.rung != IN_PLACE or last.recovery_seconds is not None or status.phase != "Restarting":
         return _while_active(tj, status, observed, actions, current)
     if observed.storage_error is not None:  # progress unknown: _while_active says so, no clock decides
         return _while_active(tj, status, observed, actions, current)
@@ -903,7 +904,7 @@ def _with_restored_step(status: TrainingJobStatus, observed: Observed) -> None:
     """The in-place restart's trainer restored a step newer than the failure's resume point (its local
     tier, or a save that committed after the failure): the failure lost fewer steps than first said."""
     failure, progress = status.last_failure, observed.progress
-    if failure is None or failure.rung != "InPlace" or progress is None or progress.attempt != status.attempt:
+    if failure is None or failure.rung != IN_PLACE or progress is None or progress.attempt != status.attempt:
         return
     restored = progress.restored_step
     if restored is not None and recovering_record(failure, progress):

@@ -7,7 +7,7 @@ from typing import Literal
 
 import tpujob_contract as contract
 
-from .api import CheckpointCadence, CheckpointRef, Condition, FailureRecord, Phase, TrainingJobStatus
+from .api import IN_PLACE, CheckpointCadence, CheckpointRef, Condition, FailureRecord, Phase, TrainingJobStatus
 from .facts import Observed
 
 # One condition per phase, so `kubectl wait --for=condition=Succeeded` works and the reason of the
@@ -99,7 +99,7 @@ def with_observations(status: TrainingJobStatus, observed: Observed) -> Training
 def recovering_record(failure: FailureRecord, progress: contract.ProgressRecord) -> bool:
     """Whether a record of the current attempt can be the recovery's: after an in-place restart the
     attempt is the same, so only a process started after the failure is."""
-    if failure.rung != "InPlace":
+    if failure.rung != IN_PLACE:
         return True
     started, failed = parse_time(progress.process_started_at), parse_time(failure.time)
     return started is not None and failed is not None and started >= failed
