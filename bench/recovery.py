@@ -46,8 +46,11 @@ the trainer's clock; also as polled and as status.lastFailure.recoverySeconds), 
 pod uids that changed: 0 in place), steps_lost (the step last reported before the kill - the step
 restored), restored_from (local | gcs), and stages: kill_to_detected (status timeline), kill_to_process,
 process_to_storage, storage_to_restored, restored_to_first_step, total; the ratios are over the first rung.
-`--model` picks the trainer's model (tiny by default; small, 5.2 M parameters, ~63 MB of state with
+`--model` picks the trainer's model (tiny by default; medium, 18.9 M parameters, ~227 MB of state with
 Adam's moments, is the largest short of 100m, 110 M parameters and ~1.3 GB, too slow on 2 CPU cores).
+`--gcs-mb-per-s` (default 25) puts the trainers' GCS traffic behind a proxy that this bench starts,
+paced to that many MB/s per host and direction (one bucket per direction for the job's 2 hosts): GCS's
+default egress quota of 200 Gbps per project and region, over 1,000 hosts restoring at once.
 """
 
 from __future__ import annotations
@@ -90,6 +93,7 @@ from tpujob_devcluster.harness import (
     worktree,
 )
 from tpujob_devcluster.pools import POOLS_FILE
+from tpujob_devcluster.throttle import ThrottledProxy
 from tpujob_operator import checkpoints
 
 NAMESPACE = "default"
@@ -540,7 +544,9 @@ RUNG_PICKS: dict[str, Callable[[dict[str, Any]], float | None]] = {
 }
 
 
-def _rung_manifest(name: str, rung: Rung, model: str, failures: int) -> dict[str, Any]:
+def _rung_manifest(
+    name: str, rung: Rung, model: str, failures: int, storage_env: dict[str, str] | None = None
+) -> dict[str, Any]:
     checkpoint: dict[str, Any] = {
         "directory": f"gs://{BUCKET}/bench", "policy": "interval", "intervalSteps": RUNG_GCS_INTERVAL,
     }  # fmt: skip
@@ -555,7 +561,10 @@ def _rung_manifest(name: str, rung: Rung, model: str, failures: int) -> dict[str
         "spec": {
             "image": "tpujob-trainer:dev",
             "args": ["--model", model, "--steps", "100000", "--batch-size", "8", "--log-every", "25"],
-            "env": [{"name": contract.PROGRESS_INTERVAL_ENV, "value": "0.5"}],
+            "env": [
+                {"name": contract.PROGRESS_INTERVAL_ENV, "value": "0.5"},
+                *({"name": k, "value": v} for k, v in (storage_env or {}).items()),
+            ],
             "tpu": {"accelerator": "tpu-v5-lite-podslice", "topology": "2x2", "slices": 2},
             "checkpoint": checkpoint,
             "restart": restart,
@@ -568,7 +577,16 @@ def rung_plan(rungs: list[Rung], rounds: int) -> list[tuple[int, Rung]]:
     return [(r, rung) for r in range(rounds) for rung in rungs[r % len(rungs) :] + rungs[: r % len(rungs)]]
 
 
+# The trainers' GCS traffic goes through a throttle (tpujob_devcluster.throttle) at this per-host rate:
+# GCS's default Google egress bandwidth quota, 200 Gbps per project and region, shared by 1,000 hosts
+# restoring at once (a large multi-slice job after a failure) leaves each about 25 MB/s.
+RUNG_HOSTS = 2  # the job's hosts: the proxy's one bucket per direction carries all of them
+DEFAULT_GCS_MB_PER_S = 25.0
+
+
 class RungBench(Bench):
+    storage_env: dict[str, str] | None = None  # the trainers' GCS endpoints, when throttled
+
     def pod_uids(self, name: str) -> dict[str, str]:
         """The job's live pods (any attempt): name -> uid."""
         return {
@@ -679,7 +697,10 @@ class RungBench(Bench):
     def run_rung(self, name: str, rung: Rung, model: str, failures: int, rng: random.Random) -> dict[str, Any]:
         run_dir = f"gs://{BUCKET}/bench/{NAMESPACE}/{name}"
         self.custom.create_namespaced_custom_object(
-            *TRAININGJOBS, NAMESPACE, contract.TRAININGJOB_PLURAL, _rung_manifest(name, rung, model, failures)
+            *TRAININGJOBS,
+            NAMESPACE,
+            contract.TRAININGJOB_PLURAL,
+            _rung_manifest(name, rung, model, failures, self.storage_env),
         )
         records = []
         try:
@@ -750,8 +771,15 @@ def rung_comparison(runs: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def _bench_rungs(
-    rungs: list[Rung], model: str, rounds: int, failures: int, rng: random.Random, state: Path, spare: int = 0
-) -> tuple[list[dict[str, Any]], float]:
+    rungs: list[Rung],
+    model: str,
+    rounds: int,
+    failures: int,
+    rng: random.Random,
+    state: Path,
+    spare: int = 0,
+    gcs_mb_per_s: float = 0.0,
+) -> tuple[list[dict[str, Any]], float, dict[str, int]]:
     t0 = time.monotonic()
     # v5e 2x2 pools for the 2-slice job's two nodes, and `spare` more: with none, Recreate reschedules
     # onto the nodes its old pods free, waiting out their termination (a reservation sized to the job).
@@ -761,8 +789,13 @@ def _bench_rungs(
         pools["pools"].append({"name": f"v5e-pool-x{extra}", "accelerator": "tpu-v5-lite-podslice", "topology": "2x2"})
     (state / "pools.yaml").write_text(yaml.safe_dump(pools))
     cluster = DevCluster(state, state / "pools.yaml").start()
+    proxy: ThrottledProxy | None = None
     try:
         bench = RungBench(cluster)
+        if gcs_mb_per_s > 0:
+            assert cluster.gcs is not None
+            proxy = ThrottledProxy(cluster.gcs, gcs_mb_per_s * 1e6 * RUNG_HOSTS).start()
+            bench.storage_env = proxy.env()
         helm_install_operator(cluster.kubeconfig)
         cluster_seconds = round(time.monotonic() - t0, 1)
         runs = []
@@ -770,8 +803,10 @@ def _bench_rungs(
             name = f"bench-{rung.key}-r{r}"
             runs.append({"round": r, **bench.run_rung(name, rung, model, failures, rng)})
             print(f"{name}: medians {json.dumps(runs[-1]['median'])}", file=sys.stderr, flush=True)
-        return runs, cluster_seconds
+        return runs, cluster_seconds, dict(proxy.transferred) if proxy else {}
     finally:
+        if proxy is not None:
+            proxy.stop()
         cluster.stop()
 
 
@@ -805,7 +840,14 @@ def main() -> None:
     parser.add_argument(
         "--spare-nodes", type=int, default=0, help="with --rungs: v5e nodes beyond the job's two (default 0)"
     )
-    parser.add_argument("--model", default="tiny", help="the trainer's --model with --rungs (tiny, small, ...)")
+    parser.add_argument("--model", default="tiny", help="the trainer's --model with --rungs (tiny, small, medium, ...)")
+    parser.add_argument(
+        "--gcs-mb-per-s",
+        type=float,
+        default=DEFAULT_GCS_MB_PER_S,
+        help="with --rungs: the trainers' GCS bandwidth per host and direction, through a throttling proxy "
+        f"(default {DEFAULT_GCS_MB_PER_S:g}: a 200 Gbps regional quota over 1,000 hosts; 0: no proxy)",
+    )
     args = parser.parse_args()
     if args.rungs:
         _main_rungs(args)
@@ -860,7 +902,7 @@ def _main_rungs(args: argparse.Namespace) -> None:
     rungs = [RUNGS[k] for k in keys]
     started = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="tpujob-bench-") as temp:
-        runs, cluster_seconds = _bench_rungs(
+        runs, cluster_seconds, throttled_bytes = _bench_rungs(
             rungs,
             args.model,
             args.rounds,
@@ -868,14 +910,22 @@ def _main_rungs(args: argparse.Namespace) -> None:
             random.Random(args.seed),
             Path(temp) / "cluster",
             args.spare_nodes,
+            args.gcs_mb_per_s,
         )
     result = {
         "benchmark": "recovery-rungs",
         "workload": (
             f"{args.model} LM, 2 slices v5e 2x2 (2 hosts, {args.spare_nodes} spare nodes), backoff 0, "
             "SIGKILL of one trainer process (slice 1) 4-12 s after the previous recovery, progress every 0.5 s, "
-            f"GCS every {RUNG_GCS_INTERVAL} steps, local tier (inplace) every {RUNG_LOCAL_INTERVAL} steps"
+            f"GCS every {RUNG_GCS_INTERVAL} steps, local tier (inplace) every {RUNG_LOCAL_INTERVAL} steps, "
+            + (
+                f"the trainers' GCS throttled to {args.gcs_mb_per_s:g} MB/s per host and direction"
+                if args.gcs_mb_per_s > 0
+                else "GCS unthrottled"
+            )
         ),
+        "gcs_mb_per_s_per_host": args.gcs_mb_per_s,
+        "gcs_bytes_through_throttle": throttled_bytes,
         "command": " ".join(["bench/recovery.py", *sys.argv[1:]]),
         "commit": f"{git('rev-parse', 'HEAD')} (working tree)",
         "rungs": {r.key: {"strategy": r.strategy, "local": r.local} for r in rungs},

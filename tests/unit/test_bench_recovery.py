@@ -3,14 +3,20 @@ quantiles and the before/after comparison."""
 
 import importlib.util
 import random
+import subprocess
 import sys
 from pathlib import Path
 from types import ModuleType
-from typing import Any
+from typing import Any, cast
 
 import numpy
 import pytest
+from tpujob_devcluster.fakegcs import FakeGcsServer
 from tpujob_devcluster.harness import quantiles
+from tpujob_devcluster.podrunner import container_env
+from tpujob_devcluster.throttle import ThrottledProxy
+from tpujob_operator.api import TrainingJob
+from tpujob_operator.jobset import CONTAINER, build_jobset
 
 
 def _load() -> ModuleType:
@@ -122,3 +128,21 @@ def test_paired_ratios_divide_each_job_by_the_first_sides_job_of_the_same_round_
     assert result == {
         "current": {"pairs": {"r0-continuous": 0.4, "r0-interval": 0.5, "r1-continuous": 0.15}, "median": 0.4}
     }
+
+
+def test_a_throttled_rung_points_the_trainers_gcs_clients_at_the_proxy_over_the_runners_emulator(
+    tmp_path: Path,
+) -> None:
+    """The rung's manifest, built into its JobSet by the operator and its env resolved as the pod runner
+    does (spec env over the runner's emulator env): no GCS client of the trainer reaches the emulator."""
+    emulator = FakeGcsServer(cast(subprocess.Popen[bytes], None), 4443, tmp_path, tmp_path / "log")
+    with ThrottledProxy(emulator, 1e6) as proxy:
+        manifest = recovery._rung_manifest("bench-recreate-r0", recovery.RUNGS["recreate"], "medium", 3, proxy.env())
+    manifest["metadata"]["uid"] = "uid-1"  # the apiserver's
+    jobset = build_jobset(TrainingJob.model_validate(manifest), attempt=0, resume_step=None)
+    pod = jobset["spec"]["replicatedJobs"][0]["template"]["spec"]["template"]
+    [trainer] = [c for c in pod["spec"]["containers"] if c["name"] == CONTAINER]
+    env = container_env(pod, trainer, emulator.env())
+    pointed = {k for k, v in env.items() if proxy.endpoint in v}
+    assert pointed >= {"STORAGE_EMULATOR_HOST", "TENSORSTORE_GCS_HTTP_URL"}
+    assert not [k for k, v in env.items() if emulator.endpoint in v]

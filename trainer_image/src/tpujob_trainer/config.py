@@ -48,6 +48,9 @@ MODELS: dict[str, ModelConfig] = {
     for m in (
         ModelConfig("tiny", vocab_size=256, d_model=64, n_layers=2, n_heads=4, d_ff=256, max_seq_len=512),
         ModelConfig("small", vocab_size=4096, d_model=256, n_layers=4, n_heads=4, d_ff=1024, max_seq_len=1024),
+        # About 18.9 M parameters, ~227 MB of float32 state with Adam's moments: a GCS restore that costs
+        # seconds behind a per-host bandwidth cap (bench/recovery.py --gcs-mb-per-s), still trainable on CPU.
+        ModelConfig("medium", vocab_size=4096, d_model=512, n_layers=4, n_heads=8, d_ff=2048, max_seq_len=1024),
         ModelConfig("100m", vocab_size=32000, d_model=768, n_layers=12, n_heads=12, d_ff=2048, max_seq_len=2048),
         ModelConfig("350m", vocab_size=32000, d_model=1024, n_layers=24, n_heads=16, d_ff=2816, max_seq_len=2048),
         ModelConfig("1b", vocab_size=32000, d_model=2048, n_layers=18, n_heads=16, d_ff=5632, max_seq_len=4096),
