@@ -51,6 +51,9 @@ Adam's moments, is the largest short of 100m, 110 M parameters and ~1.3 GB, too 
 `--gcs-mb-per-s` (default 25) puts the trainers' GCS traffic behind a proxy that this bench starts,
 paced to that many MB/s per host and direction (one bucket per direction for the job's 2 hosts): GCS's
 default egress quota of 200 Gbps per project and region, over 1,000 hosts restoring at once.
+`--failure node` (with `--spare-nodes 1`) deletes the victim's node instead of killing its trainer: the
+pod is gone with it and is replaced on the spare node, the other workers restart in place (InPlace) or
+are recreated (Recreate); the node comes back after each recovery. The stages are the same.
 """
 
 from __future__ import annotations
@@ -92,7 +95,7 @@ from tpujob_devcluster.harness import (
     signal_pod,
     worktree,
 )
-from tpujob_devcluster.pools import POOLS_FILE
+from tpujob_devcluster.pools import POOLS_FILE, Pool, node_manifests
 from tpujob_devcluster.throttle import ThrottledProxy
 from tpujob_operator import checkpoints
 
@@ -580,6 +583,7 @@ def rung_plan(rungs: list[Rung], rounds: int) -> list[tuple[int, Rung]]:
 # The trainers' GCS traffic goes through a throttle (tpujob_devcluster.throttle) at this per-host rate:
 # GCS's default Google egress bandwidth quota, 200 Gbps per project and region, shared by 1,000 hosts
 # restoring at once (a large multi-slice job after a failure) leaves each about 25 MB/s.
+FAILURES = {"crash": "SIGKILL of one trainer process", "node": "deletion of one worker's node"}
 RUNG_HOSTS = 2  # the job's hosts: the proxy's one bucket per direction carries all of them
 DEFAULT_GCS_MB_PER_S = 25.0
 
@@ -645,18 +649,39 @@ class RungBench(Bench):
             result = self.status(name, NAMESPACE)
         return result
 
+    def lose_node(self, pod: str) -> Callable[[], None]:
+        """Delete the pod's node, as GKE does when it removes a failed VM; returns how to bring it back."""
+        node = self.core.read_node(self.core.read_namespaced_pod(pod, NAMESPACE).spec.node_name)
+        labels = node.metadata.labels
+        pool = Pool(
+            labels[contract.NODE_POOL_LABEL], labels[contract.ACCELERATOR_LABEL], labels[contract.TOPOLOGY_LABEL]
+        )
+        self.core.delete_node(node.metadata.name)
+
+        def restore() -> None:
+            for manifest in node_manifests([pool], 0):
+                self.core.create_node(manifest)
+
+        return restore
+
     def inject(
-        self, name: str, run_dir: str, count: int, since: float, rng: random.Random
+        self, name: str, run_dir: str, count: int, since: float, rng: random.Random, failure: str = "crash"
     ) -> tuple[dict[str, Any], float]:
         time.sleep(max(0.0, since + rng.uniform(4.0, 12.0) - time.monotonic()))
         pod, pid = self.wait(lambda: self.victim(name))
         before_uids = self.pod_uids(name)
         before = checkpoints.read_progress(self.gcs, run_dir)
-        os.kill(pid, signal.SIGKILL)
+        restore_node = None
+        if failure == "node":
+            restore_node = self.lose_node(pod)
+        else:
+            os.kill(pid, signal.SIGKILL)
         killed, t0 = time.time(), time.monotonic()
         last = [before.step if before else 0]
         progress: contract.ProgressRecord = self.wait(lambda: self.recovered(run_dir, killed, last), interval=0.05)
         recovered_at = time.monotonic()
+        if restore_node is not None:  # the next failure finds the pools as the job began
+            restore_node()
         status = self.failure_status(name, count)
         failure = status.get("lastFailure") or {}
         timeline = failure.get("timeline") or {}
@@ -666,6 +691,7 @@ class RungBench(Bench):
         first = _wall(progress.first_step_at)
         reported = last[0] if before else None
         record = {
+            "failure": failure,
             "victim": pod,
             "recovery_polled_s": round(recovered_at - t0, 2),
             "status_recovery_s": failure.get("recoverySeconds"),
@@ -694,7 +720,9 @@ class RungBench(Bench):
         }
         return record, recovered_at
 
-    def run_rung(self, name: str, rung: Rung, model: str, failures: int, rng: random.Random) -> dict[str, Any]:
+    def run_rung(
+        self, name: str, rung: Rung, model: str, failures: int, rng: random.Random, failure: str = "crash"
+    ) -> dict[str, Any]:
         run_dir = f"gs://{BUCKET}/bench/{NAMESPACE}/{name}"
         self.custom.create_namespaced_custom_object(
             *TRAININGJOBS,
@@ -711,7 +739,7 @@ class RungBench(Bench):
             )
             since = time.monotonic()
             for i in range(failures):
-                record, since = self.inject(name, run_dir, i + 1, since, rng)
+                record, since = self.inject(name, run_dir, i + 1, since, rng, failure)
                 records.append(record)
                 print(f"  {name} failure {i + 1}: {json.dumps(record['stages'])}", file=sys.stderr, flush=True)
         except Exception:
@@ -779,6 +807,7 @@ def _bench_rungs(
     state: Path,
     spare: int = 0,
     gcs_mb_per_s: float = 0.0,
+    failure: str = "crash",
 ) -> tuple[list[dict[str, Any]], float, dict[str, int]]:
     t0 = time.monotonic()
     # v5e 2x2 pools for the 2-slice job's two nodes, and `spare` more: with none, Recreate reschedules
@@ -801,7 +830,7 @@ def _bench_rungs(
         runs = []
         for r, rung in rung_plan(rungs, rounds):
             name = f"bench-{rung.key}-r{r}"
-            runs.append({"round": r, **bench.run_rung(name, rung, model, failures, rng)})
+            runs.append({"round": r, **bench.run_rung(name, rung, model, failures, rng, failure)})
             print(f"{name}: medians {json.dumps(runs[-1]['median'])}", file=sys.stderr, flush=True)
         return runs, cluster_seconds, dict(proxy.transferred) if proxy else {}
     finally:
@@ -841,6 +870,12 @@ def main() -> None:
         "--spare-nodes", type=int, default=0, help="with --rungs: v5e nodes beyond the job's two (default 0)"
     )
     parser.add_argument("--model", default="tiny", help="the trainer's --model with --rungs (tiny, small, medium, ...)")
+    parser.add_argument(
+        "--failure",
+        choices=list(FAILURES),
+        default="crash",
+        help="with --rungs: crash (SIGKILL of a trainer process) or node (its node deleted; needs --spare-nodes 1)",
+    )
     parser.add_argument(
         "--gcs-mb-per-s",
         type=float,
@@ -895,6 +930,8 @@ def main() -> None:
 
 
 def _main_rungs(args: argparse.Namespace) -> None:
+    if args.failure == "node" and args.spare_nodes < 1:
+        sys.exit("--failure node needs --spare-nodes 1 or more: the lost node's pod is placed on a spare one")
     keys = [k.strip() for k in args.rungs.split(",") if k.strip()]
     unknown = [k for k in keys if k not in RUNGS]
     if unknown or not keys:
@@ -911,12 +948,13 @@ def _main_rungs(args: argparse.Namespace) -> None:
             Path(temp) / "cluster",
             args.spare_nodes,
             args.gcs_mb_per_s,
+            args.failure,
         )
     result = {
         "benchmark": "recovery-rungs",
         "workload": (
             f"{args.model} LM, 2 slices v5e 2x2 (2 hosts, {args.spare_nodes} spare nodes), backoff 0, "
-            "SIGKILL of one trainer process (slice 1) 4-12 s after the previous recovery, progress every 0.5 s, "
+            f"{FAILURES[args.failure]} (slice 1) 4-12 s after the previous recovery, progress every 0.5 s, "
             f"GCS every {RUNG_GCS_INTERVAL} steps, local tier (inplace) every {RUNG_LOCAL_INTERVAL} steps, "
             + (
                 f"the trainers' GCS throttled to {args.gcs_mb_per_s:g} MB/s per host and direction"
@@ -924,6 +962,7 @@ def _main_rungs(args: argparse.Namespace) -> None:
                 else "GCS unthrottled"
             )
         ),
+        "failure": args.failure,
         "gcs_mb_per_s_per_host": args.gcs_mb_per_s,
         "gcs_bytes_through_throttle": throttled_bytes,
         "command": " ".join(["bench/recovery.py", *sys.argv[1:]]),
