@@ -6,6 +6,7 @@ import io
 from datetime import UTC, datetime, timedelta
 
 import pytest
+import tpujob_contract as contract
 from rich.console import Console
 from rich.table import Table
 from tpujob_devcluster import demo
@@ -322,3 +323,25 @@ def test_the_runs_are_told_apart_by_the_trainers_start_not_the_attempt():
     assert seen.saw_run(trained) and seen.resumed == trained
     assert not seen.saw_run(dataclasses.replace(trained, step=98))  # the first trained record only
     assert seen.trainer_last_step_of_killed_run == 103
+
+
+def test_samples_follow_the_trainers_runs_not_its_attempts():
+    seen = demo.Seen(started_at=_at(0))
+    first = progress_record(step=228, attempt=0, updated_at=_at(1), process_started_at=_at(-60))
+    seen.saw_progress(first)
+    seen.saw_progress(dataclasses.replace(first, step=229, updated_at=contract.format_time(_at(2))))
+    seen.saw_progress(dataclasses.replace(first, step=229, updated_at=contract.format_time(_at(3))))  # repeated
+    in_place = progress_record(step=221, attempt=0, updated_at=_at(9), process_started_at=_at(5))
+    seen.saw_progress(in_place)  # the same attempt, a new process: a new run, from the restored step
+    seen.saw_progress(in_place)
+    recreated = progress_record(step=221, attempt=1, updated_at=_at(40))  # no start time: the attempt splits it
+    seen.saw_progress(recreated)
+    assert seen.samples == [(1.0, 0, 228), (2.0, 0, 229), (9.0, 1, 221), (40.0, 2, 221)]
+    assert seen.runs == [
+        demo.TrainerRun(0, contract.format_time(_at(-60))),
+        demo.TrainerRun(0, contract.format_time(_at(5))),
+        demo.TrainerRun(1, None),
+    ]
+    assert demo.report_data({}, seen)["run"]["runs"][1] == {
+        "attempt": 0, "process_started_at": contract.format_time(_at(5)),
+    }  # fmt: skip

@@ -146,6 +146,14 @@ def ledger_of(goodput: dict[str, Any] | None) -> Ledger | None:
 # --- pure: what the demo saw, and the report ------------------------------------------------------------
 
 
+@dataclass(frozen=True)
+class TrainerRun:
+    """One run of the trainer: a process start. An in-place restart starts a new run in the same attempt."""
+
+    attempt: int
+    process_started_at: str | None  # the record's own RFC 3339 string, as the trainer wrote it
+
+
 @dataclass
 class Seen:
     """What the demo saw itself, in the bucket and the trainer's record (independently of the operator)."""
@@ -162,10 +170,11 @@ class Seen:
     pods_resumed: dict[str, str] = field(default_factory=dict)
     failure: dict[str, Any] | None = None  # status.lastFailure of the kill (not of any later failure)
     # The picture's time series, in seconds since started_at (the demo's clock: the kill's, the trainer's
-    # record's and the apiserver's times are all this host's): the trainer's (attempt, step) as its record
-    # first showed it, and each committed step as the demo first found it in the bucket.
+    # record's and the apiserver's times are all this host's): the trainer's (run, step) as its record
+    # first showed it, run indexing runs, and each committed step as the demo first found it in the bucket.
     started_at: datetime | None = None
-    samples: list[tuple[float, int, int]] = field(default_factory=list)  # (seconds, attempt, step)
+    samples: list[tuple[float, int, int]] = field(default_factory=list)  # (seconds, run, step)
+    runs: list[TrainerRun] = field(default_factory=list)  # in the order they started: run 0, 1, ...
     commits_at: list[tuple[float, int]] = field(default_factory=list)  # (seconds, committed step)
 
     def saw_failure(self, failure: dict[str, Any] | None) -> None:
@@ -183,11 +192,15 @@ class Seen:
         return bool(new)
 
     def saw_progress(self, record: contract.ProgressRecord) -> None:
-        """A sample when the trainer's record shows a new (attempt, step), at the record's own time (the
-        step's, not the demo's poll's)."""
-        if self.samples and self.samples[-1][1:] == (record.attempt, record.step):
+        """A sample when the trainer's record shows a new (run, step), at the record's own time (the step's,
+        not the demo's poll's). A run is told by the process start, not the attempt alone: a restart in place
+        keeps the attempt, and its restored step is below the killed run's last one."""
+        run = TrainerRun(record.attempt, record.process_started_at)
+        if not self.runs or self.runs[-1] != run:  # the attempt too: a record without a start time still splits
+            self.runs.append(run)
+        elif self.samples and self.samples[-1][1:] == (len(self.runs) - 1, record.step):
             return
-        self.samples.append((self.seconds(record.updated), record.attempt, record.step))
+        self.samples.append((self.seconds(record.updated), len(self.runs) - 1, record.step))
 
     def saw_run(self, record: contract.ProgressRecord) -> bool:
         """Follow the killed run and the restarted one by the trainer's start time, not by the attempt: a
@@ -380,7 +393,8 @@ def report_data(status: dict[str, Any], seen: Seen, name: str = "demo") -> dict[
     run = {
         "started_at": seen.started_at.isoformat() if seen.started_at else None,
         "kill_s": seen.seconds(seen.kill_time) if seen.kill_time and seen.started_at else None,
-        "samples": [list(sample) for sample in seen.samples],
+        "samples": [list(sample) for sample in seen.samples],  # [seconds, run, step]: run indexes runs
+        "runs": [{"attempt": r.attempt, "process_started_at": r.process_started_at} for r in seen.runs],
         "commits": [list(commit) for commit in seen.commits_at],
     }
     return {

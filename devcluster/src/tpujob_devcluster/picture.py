@@ -1,9 +1,11 @@
 """The demo's picture: demo-report.png next to demo-report.json, drawn from the report's data alone (so a
-kept JSON can be drawn again): the trainer's step over wall time, one line per attempt, the commits
-found in the bucket, the SIGKILL and the recovery; the recovery stage by stage; the goodput ledger.
+kept JSON can be drawn again): the trainer's step over wall time, one line per trainer run (a process
+start: run.samples are [seconds, run, step], run.runs[run] its attempt and start, so an in-place restart,
+which keeps the attempt, is a line of its own), the commits found in the bucket, the SIGKILL and the
+recovery; the recovery stage by stage; the goodput ledger.
 
 matplotlib's Agg canvas is used directly (no pyplot, no display, no global backend). Every artist a
-test looks for carries a gid ("attempt-0", "commits", "kill", "recovery", "stage:<event>",
+test looks for carries a gid ("run-0", "commits", "kill", "recovery", "stage:<event>",
 "ledger:<part>"), and so does each axes ("steps", "zoom", "stages", "ledger").
 """
 
@@ -19,7 +21,7 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
 WIDTH_PX, HEIGHT_PX, DPI = 1600, 1000, 100
-ATTEMPT_COLORS = ("tab:blue", "tab:orange", "tab:purple", "tab:brown", "tab:pink", "tab:olive")
+RUN_COLORS = ("tab:blue", "tab:orange", "tab:purple", "tab:brown", "tab:pink", "tab:olive")
 KILL_COLOR = "tab:red"
 # The ledger's parts, in the report's order: productive first, then the badput causes.
 LEDGER_COLORS = {
@@ -83,18 +85,32 @@ def _recovery_seconds(data: dict[str, Any]) -> float | None:
     return max(offsets) if offsets else None
 
 
+def _run_name(runs: list[dict[str, Any]], index: int) -> str:
+    """The run, its attempt, and whether its restart kept the attempt: "run 1 (attempt 0, restarted in place)"."""
+    if index >= len(runs):
+        return f"run {index}"  # a report without the runs (an older one): their attempts are unknown
+    attempt = runs[index].get("attempt")
+    kept = index > 0 and runs[index - 1].get("attempt") == attempt
+    return f"run {index} (attempt {attempt}{', restarted in place' if kept else ''})"
+
+
+def _color(run: int) -> str:
+    return RUN_COLORS[run % len(RUN_COLORS)]
+
+
 def _steps(ax: Axes, zoom: Axes, data: dict[str, Any]) -> None:
     ax.set_gid("steps")
     zoom.set_gid("zoom")
     run = data.get("run") or {}
-    by_attempt: dict[int, list[tuple[float, int]]] = defaultdict(list)
-    for seconds, attempt, step in run.get("samples") or []:
-        by_attempt[attempt].append((seconds, step))
-    for attempt, points in sorted(by_attempt.items()):
+    by_run: dict[int, list[tuple[float, int]]] = defaultdict(list)
+    for seconds, index, step in run.get("samples") or []:
+        by_run[index].append((seconds, step))
+    runs = run.get("runs") or []
+    for index, points in sorted(by_run.items()):
         times, steps = zip(*points, strict=True)
         ax.plot(
-            times, steps, color=ATTEMPT_COLORS[attempt % len(ATTEMPT_COLORS)], linewidth=2.2,
-            label=f"attempt {attempt}: steps {steps[0]}–{steps[-1]}", gid=f"attempt-{attempt}",
+            times, steps, color=_color(index), linewidth=2.2,
+            label=f"{_run_name(runs, index)}: steps {steps[0]}–{steps[-1]}", gid=f"run-{index}",
         )  # fmt: skip
     commits = run.get("commits") or []
     if commits:
@@ -121,13 +137,13 @@ def _steps(ax: Axes, zoom: Axes, data: dict[str, Any]) -> None:
                 xy=(kill, data["step_at_kill"]), xytext=(-12, 12), textcoords="offset points", ha="right",
                 fontsize=11, color=KILL_COLOR,
             )  # fmt: skip
-        if by_attempt and data.get("step_at_kill") is not None and data.get("resume_step") is not None:
-            _zoom(zoom, data, by_attempt, commits, kill, recovery or 0.0)
+        if by_run and data.get("step_at_kill") is not None and data.get("resume_step") is not None:
+            _zoom(zoom, data, by_run, commits, kill, recovery or 0.0)
             zoomed = True
     if not zoomed:
         zoom.set_title("Around the kill")
         _empty(zoom, "no kill with a resume step")
-    if not by_attempt and not commits:
+    if not by_run and not commits:
         _empty(ax, "no step samples in the report")
     else:
         ax.legend(loc="lower right", fontsize=11)  # a rising line leaves that corner empty
@@ -142,16 +158,16 @@ def _steps(ax: Axes, zoom: Axes, data: dict[str, Any]) -> None:
 def _zoom(
     zoom: Axes,
     data: dict[str, Any],
-    by_attempt: dict[int, list[tuple[float, int]]],
+    by_run: dict[int, list[tuple[float, int]]],
     commits: list[list[float]],
     kill: float,
     recovery: float,
 ) -> None:
     """The steps around the kill, where the steps lost (a few of hundreds) can be seen."""
     at_kill, resumed = int(data["step_at_kill"]), int(data["resume_step"])
-    for attempt, points in sorted(by_attempt.items()):
+    for index, points in sorted(by_run.items()):  # the killed run and the restarted one: a line each
         times, steps = zip(*points, strict=True)
-        zoom.plot(times, steps, color=ATTEMPT_COLORS[attempt % len(ATTEMPT_COLORS)], linewidth=2, marker=".")
+        zoom.plot(times, steps, color=_color(index), linewidth=2, marker=".")
     if commits:
         times, steps = zip(*commits, strict=True)
         zoom.plot(times, steps, linestyle="none", marker="o", markersize=6, markerfacecolor="white",
@@ -162,7 +178,7 @@ def _zoom(
     zoom.axhline(resumed, color="tab:green", linestyle=":", linewidth=1.5, label=f"resumed from {resumed}")
     pad = max(8.0, recovery / 2)
     left, right = kill - pad, kill + recovery + pad
-    shown = [step for points in by_attempt.values() for t, step in points if left <= t <= right]
+    shown = [step for points in by_run.values() for t, step in points if left <= t <= right]
     low, high = min([*shown, resumed, at_kill]), max([*shown, resumed, at_kill])
     margin = max(2.0, (high - low) * 0.06)
     zoom.set_xlim(left, right)
