@@ -7,8 +7,10 @@ import os
 import signal
 from typing import Any
 
+import tpujob_contract as contract
 from tpujob_devcluster.cluster import BUCKET
 from tpujob_devcluster.harness import live_pod_uids, trainer_pid
+from tpujob_devcluster.pools import Pool, node_manifests
 
 V5E_TWO_SLICES: dict[str, Any] = {"accelerator": "tpu-v5-lite-podslice", "topology": "2x2", "slices": 2}
 LOCAL_INTERVAL = 5
@@ -57,3 +59,44 @@ def test_a_crashed_trainer_restarts_in_place_from_the_local_tier(e2e):
     assert failure["resumeStep"] == record.restored_step and failure["lostSteps"] <= 2 * LOCAL_INTERVAL, failure
     assert failure["recoverySeconds"] is not None and failure["timeline"]["restored"] is not None
     assert "RestartingInPlace" in e2e.events("inplace")
+
+
+def test_a_lost_node_replaces_only_its_pod_and_the_rest_restart_in_place(e2e):
+    e2e.apply(
+        "inplacenode",
+        600,
+        restart={"strategy": "InPlace"},
+        checkpoint={
+            "directory": f"gs://{BUCKET}/e2e",
+            "policy": "interval",
+            "intervalSteps": 20,
+            "local": {"sizeLimit": "256Mi", "intervalSteps": LOCAL_INTERVAL},
+        },
+        **V5E_TWO_SLICES,
+    )
+    e2e.wait("inplacenode", lambda s: s.get("phase") == "Running" and (s.get("step") or 0) > 30, 300, "training")
+    before = live_pod_uids(e2e.core, e2e.namespace, "inplacenode-a0")
+    assert len(before) == 2, before
+    lost = e2e.running_pod("inplacenode-a0-slice-1-0")
+    [kept] = [name for name in before if name != lost]
+    node = e2e.core.read_node(e2e.core.read_namespaced_pod(lost, e2e.namespace).spec.node_name)
+    e2e.core.delete_node(node.metadata.name)
+    try:
+        status = e2e.wait("inplacenode", lambda s: s.get("phase") == "Succeeded", 360, "Succeeded")
+        failure = status["lastFailure"]
+        assert (failure["rung"], failure["kind"], failure["counted"]) == ("InPlace", "NodeLost", False), failure
+        assert (status["restarts"], status["inPlaceRestarts"], status["attempt"]) == (1, 1, 0), status
+        assert [js["metadata"]["name"] for js in e2e.jobsets()] == ["inplacenode-a0"]
+        after = live_pod_uids(e2e.core, e2e.namespace, "inplacenode-a0")
+        # The lost node's pod alone was replaced (by its Job, on another node); the other is the same pod,
+        # its containers restarted in place.
+        assert after[kept] == before[kept], (before, after)
+        assert lost not in after and len(after) == 2, (before, after)
+        [replacement] = [e2e.core.read_namespaced_pod(n, e2e.namespace) for n in after if n != kept]
+        assert replacement.spec.node_name != node.metadata.name
+        survivor = e2e.core.read_namespaced_pod(kept, e2e.namespace)
+        assert survivor.status.container_statuses[0].restart_count >= 1, survivor.status.container_statuses
+    finally:
+        pool = node.metadata.labels[contract.NODE_POOL_LABEL]
+        [manifest] = node_manifests([Pool(pool, V5E_TWO_SLICES["accelerator"], V5E_TWO_SLICES["topology"])], 0)
+        e2e.core.create_node(manifest)
