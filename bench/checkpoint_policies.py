@@ -24,7 +24,11 @@ adaptive_mtbf:<budget %> (also told --mtbf, as the operator does: Young/Daly can
 Any policy plus `+local:<steps>` also saves to the local tier (tpujob_trainer.local_tier, on a
 tmpfs-like local directory) every <steps> steps, as the trainer does: compare
 `local_overhead_points` (seconds per step against the same policy without it, in points of the
-`none` run's step time) side by side, e.g. --policies none,continuous,continuous+local:10.
+`none` run's step time) side by side, e.g. --policies none,continuous,continuous+local:10, and
+`local_blocked_points` (the loop's time blocked in local saves, in the same points: what a host whose
+cores are not all busy training pays; on 2 shared CPU cores the background write also slows the steps).
+`--rounds N` repeats the policies, every other round in reverse order, and pairs each run with the
+`none` and GCS-alone runs of its own round; `local_tier` has the medians over the rounds.
 
     python bench/checkpoint_policies.py [--model tiny --steps 3000 --sweep 10,20,50,100,200,500,1000 --mtbf 120]
 """
@@ -83,7 +87,7 @@ def _checkpoint_config(spec: str, mtbf: float) -> Any:
     raise SystemExit(f"unknown policy {spec!r}")
 
 
-def _run_policy(args: argparse.Namespace, spec: str, root: Path) -> dict[str, Any]:
+def _run_policy(args: argparse.Namespace, spec: str, root: Path, round_: int = 0) -> dict[str, Any]:
     # Imported here: the emulator's environment must be in place before fsspec/gcsfs load.
     import orbax.checkpoint as ocp
     from tpujob_trainer import checkpointing
@@ -99,7 +103,8 @@ def _run_policy(args: argparse.Namespace, spec: str, root: Path) -> dict[str, An
     trainer = Trainer(cfg, make_mesh(1))
     spec, _, local_every = spec.partition("+local:")
     ckpt = _checkpoint_config(spec, args.mtbf)
-    name = spec.replace(":", "-").replace(".", "_") + (f"-local{local_every}" if local_every else "")
+    # A directory per round: a manager does not save a step at or below one its directory holds.
+    name = spec.replace(":", "-").replace(".", "_") + (f"-local{local_every}" if local_every else "") + f"-r{round_}"
     local = None
     if local_every:
         from tpujob_trainer.config import LocalTierConfig
@@ -246,6 +251,7 @@ def main() -> None:
     p.add_argument("--warmup", type=int, default=50, help="unmeasured first steps (compilation, first-run effects)")
     p.add_argument("--quiet", type=int, default=100, help="first measured steps without saves (the meter's baseline)")
     p.add_argument("--policies", default=DEFAULT_POLICIES)
+    p.add_argument("--rounds", type=int, default=1, help="run the policies this many times, every other round reversed")
     p.add_argument("--sweep", default="10,20,50,100,200,500,1000", help="fixed intervals (steps) added to --policies")
     p.add_argument("--mtbf", type=float, default=120.0, help="mean time between failures for the waste (s)")
     p.add_argument("--restart-cost", type=float, default=6.0, help="seconds from a failure to training again")
@@ -258,19 +264,23 @@ def main() -> None:
         import jax
 
         results = []
-        for spec in specs:
-            results.append(_run_policy(args, spec, gcs.root_dir))
-            print(f"{spec}: done", file=sys.stderr, flush=True)
+        for round_ in range(args.rounds):
+            for spec in specs if round_ % 2 == 0 else specs[::-1]:  # the machine's drift falls on both orders
+                results.append({**_run_policy(args, spec, gcs.root_dir, round_), "round": round_})
+                print(f"round {round_} {spec}: done", file=sys.stderr, flush=True)
         device = jax.devices()[0]
-    base = next((r for r in results if r["policy"] == "none"), None)
     for r in results:
+        same_round = [g for g in results if g["round"] == r["round"]]
+        base = next((g for g in same_round if g["policy"] == "none"), None)
         if base:
             r["overhead_vs_none"] = r["seconds_per_step"] / base["seconds_per_step"] - 1
         _waste(r, args.mtbf, args.restart_cost)
-        gcs_alone = next((g for g in results if g["policy"] == r["policy"].partition("+local:")[0]), None)
-        if base and gcs_alone and "+local:" in r["policy"]:
-            extra = r["seconds_per_step"] - gcs_alone["seconds_per_step"]
-            r["local_overhead_points"] = 100 * extra / base["seconds_per_step"]
+        gcs_alone = next((g for g in same_round if g["policy"] == r["policy"].partition("+local:")[0]), None)
+        if base and "+local:" in r["policy"]:
+            r["local_blocked_points"] = 100 * r["local_blocked_s"] / (r["steps_measured"] * base["seconds_per_step"])
+            if gcs_alone:
+                extra = r["seconds_per_step"] - gcs_alone["seconds_per_step"]
+                r["local_overhead_points"] = 100 * extra / base["seconds_per_step"]
     print(
         json.dumps(
             {
@@ -294,12 +304,31 @@ def main() -> None:
                     "jax": jax.__version__,
                 },
                 "policies": results,
-                "targets": _targets(results),
+                "local_tier": _local_tier(results),
+                "targets": _targets([r for r in results if r["round"] == 0]),
             },
             indent=2,
         )
     )
     sys.stdout.flush()
+
+
+def _local_tier(results: list[dict[str, Any]]) -> dict[str, Any]:
+    """Per `+local:` policy, over the rounds: the points it adds to its GCS policy's step time, and the
+    points of it the loop spent blocked in local saves (the part a host with idle cores still pays)."""
+    out: dict[str, Any] = {}
+    for policy in dict.fromkeys(r["policy"] for r in results if "+local:" in r["policy"]):
+        runs = [r for r in results if r["policy"] == policy]
+        overhead = [r["local_overhead_points"] for r in runs if "local_overhead_points" in r]
+        blocked = [r["local_blocked_points"] for r in runs if "local_blocked_points" in r]
+        out[policy] = {
+            "overhead_points": overhead,
+            "overhead_points_median": statistics.median(overhead) if overhead else None,
+            "blocked_points": blocked,
+            "blocked_points_median": statistics.median(blocked) if blocked else None,
+            "blocked_ms_per_save": [1000 * r["local_blocked_s"] / r["local_saves"] for r in runs if r["local_saves"]],
+        }
+    return out
 
 
 def _young_daly(results: list[dict[str, Any]], mtbf: float) -> float | None:
