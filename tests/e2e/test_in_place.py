@@ -96,6 +96,9 @@ def test_a_lost_node_replaces_only_its_pod_and_the_rest_restart_in_place(e2e):
         assert replacement.spec.node_name != node.metadata.name
         survivor = e2e.core.read_namespaced_pod(kept, e2e.namespace)
         assert survivor.status.container_statuses[0].restart_count >= 1, survivor.status.container_statuses
+        # The replacement's memory volume is new, so not every process holds a local step: GCS for all.
+        record = e2e.progress("inplacenode")
+        assert record is not None and record.restored_from == "gcs", record
     finally:
         pool = node.metadata.labels[contract.NODE_POOL_LABEL]
         [manifest] = node_manifests([Pool(pool, V5E_TWO_SLICES["accelerator"], V5E_TWO_SLICES["topology"])], 0)
