@@ -651,28 +651,29 @@ class RungBench(Bench):
 
     def lose_node(self, pod: str) -> Callable[[], None]:
         """Delete the pod's node, as GKE does when it removes a failed VM; returns how to bring it back."""
-        node = self.core.read_node(self.core.read_namespaced_pod(pod, NAMESPACE).spec.node_name)
+        core: Any = self.core  # node manifests are dicts, as the e2e tier creates them
+        node = core.read_node(core.read_namespaced_pod(pod, NAMESPACE).spec.node_name)
         labels = node.metadata.labels
         pool = Pool(
             labels[contract.NODE_POOL_LABEL], labels[contract.ACCELERATOR_LABEL], labels[contract.TOPOLOGY_LABEL]
         )
-        self.core.delete_node(node.metadata.name)
+        core.delete_node(node.metadata.name)
 
         def restore() -> None:
             for manifest in node_manifests([pool], 0):
-                self.core.create_node(manifest)
+                core.create_node(manifest)
 
         return restore
 
     def inject(
-        self, name: str, run_dir: str, count: int, since: float, rng: random.Random, failure: str = "crash"
+        self, name: str, run_dir: str, count: int, since: float, rng: random.Random, mode: str = "crash"
     ) -> tuple[dict[str, Any], float]:
         time.sleep(max(0.0, since + rng.uniform(4.0, 12.0) - time.monotonic()))
         pod, pid = self.wait(lambda: self.victim(name))
         before_uids = self.pod_uids(name)
         before = checkpoints.read_progress(self.gcs, run_dir)
         restore_node = None
-        if failure == "node":
+        if mode == "node":
             restore_node = self.lose_node(pod)
         else:
             os.kill(pid, signal.SIGKILL)
@@ -691,7 +692,7 @@ class RungBench(Bench):
         first = _wall(progress.first_step_at)
         reported = last[0] if before else None
         record = {
-            "failure": failure,
+            "failure": mode,
             "victim": pod,
             "recovery_polled_s": round(recovered_at - t0, 2),
             "status_recovery_s": failure.get("recoverySeconds"),
