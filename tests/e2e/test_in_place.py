@@ -17,19 +17,24 @@ LOCAL_INTERVAL = 5
 GCS_INTERVAL = 100  # far apart: the local tier is ahead of GCS when the trainer is killed
 
 
-def test_a_crashed_trainer_restarts_in_place_from_the_local_tier(e2e):
+def _apply_in_place(e2e: Any, name: str, gcs_interval: int) -> None:
+    """A 600-step 2-slice job on the InPlace rung, with the local tier every LOCAL_INTERVAL steps."""
     e2e.apply(
-        "inplace",
+        name,
         600,
         restart={"strategy": "InPlace"},
         checkpoint={
             "directory": f"gs://{BUCKET}/e2e",
             "policy": "interval",
-            "intervalSteps": GCS_INTERVAL,
+            "intervalSteps": gcs_interval,
             "local": {"sizeLimit": "256Mi", "intervalSteps": LOCAL_INTERVAL},
         },
         **V5E_TWO_SLICES,
     )
+
+
+def test_a_crashed_trainer_restarts_in_place_from_the_local_tier(e2e):
+    _apply_in_place(e2e, "inplace", GCS_INTERVAL)
     e2e.wait(
         "inplace",
         lambda s: s.get("phase") == "Running" and (s.get("step") or 0) > GCS_INTERVAL + 4 * LOCAL_INTERVAL,
@@ -62,18 +67,7 @@ def test_a_crashed_trainer_restarts_in_place_from_the_local_tier(e2e):
 
 
 def test_a_lost_node_replaces_only_its_pod_and_the_rest_restart_in_place(e2e):
-    e2e.apply(
-        "inplacenode",
-        600,
-        restart={"strategy": "InPlace"},
-        checkpoint={
-            "directory": f"gs://{BUCKET}/e2e",
-            "policy": "interval",
-            "intervalSteps": 20,
-            "local": {"sizeLimit": "256Mi", "intervalSteps": LOCAL_INTERVAL},
-        },
-        **V5E_TWO_SLICES,
-    )
+    _apply_in_place(e2e, "inplacenode", 20)
     e2e.wait("inplacenode", lambda s: s.get("phase") == "Running" and (s.get("step") or 0) > 30, 300, "training")
     before = live_pod_uids(e2e.core, e2e.namespace, "inplacenode-a0")
     assert len(before) == 2, before
