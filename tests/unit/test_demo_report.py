@@ -151,7 +151,7 @@ Steps lost
   [ok] lastFailure.step 229 = trainer's last reported step 229
   [ok] resumeStep 221 = step the restarted run restored 221
   [ok] resumeStep 221 >= committed in the bucket at the kill 221
-  [ok] lostSteps 8 = 229 - 221
+  [ok] lostSteps 8 = max(0, 229 - 221)
 
 A fixed-interval policy at the same step (229)
   Saving every N steps, the last multiple of N at or below the step reached
@@ -204,6 +204,17 @@ def test_report_checks_the_loss_against_the_trainer_and_the_bucket():
     assert not demo.passed(wrong)
     assert not demo.passed({**data, "restarts": 2})
     assert not demo.passed({**data, "goodput": None})
+
+
+def test_a_restore_past_the_last_report_lost_no_steps():
+    """The local tier saved step 233 after the trainer last reported 229: the operator's lostSteps is 0,
+    never 229 - 233."""
+    seen = _seen()
+    seen.resumed = dataclasses.replace(seen.resumed, restored_step=233)
+    data = demo.report_data(_status(lostSteps=0, resumeStep=233), seen)
+    assert demo.passed(data), data["checks"]
+    assert {"what": "lostSteps 0 = max(0, 229 - 233)", "ok": True} in data["checks"]
+    assert not demo.passed(demo.report_data(_status(lostSteps=4, resumeStep=233), seen))
 
 
 def test_report_text_is_exact_and_fits_80_columns():
