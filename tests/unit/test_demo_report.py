@@ -321,6 +321,24 @@ def test_an_in_place_restart_is_checked_for_the_same_pods_and_the_local_tier():
         assert not demo.passed(demo.report_data(status, changed))
 
 
+def test_an_in_place_restore_from_gcs_passes_only_when_gcs_was_newer_than_any_local_step():
+    """Local saves every 5 steps, the trainer last at 206: GCS's 206 is newer than the local tier's 205 at
+    most, so restoring it is right; GCS's 205 could have come from the local tier and did not."""
+    seen = _seen()
+    seen.pods_resumed = dict(seen.pods_at_kill)
+    seen.trainer_last_step_of_killed_run, seen.committed_at_kill = 206, 201
+    for resume, ok in ((206, True), (205, False)):
+        seen.resumed = dataclasses.replace(seen.resumed, attempt=0, restored_from="gcs", restored_step=resume)
+        status = _status(rung="InPlace", step=206, resumeStep=resume, lostSteps=206 - resume)
+        seen.failure = status["lastFailure"]
+        data = demo.report_data(status, seen, local_interval=5)
+        assert data["checks"][-1] == {
+            "what": f"restored from gcs at {resume}, newer than any local step (at most 205)",
+            "ok": ok,
+        }
+        assert demo.passed(data) is ok, data["checks"]
+
+
 def test_the_runs_are_told_apart_by_the_trainers_start_not_the_attempt():
     seen = demo.Seen()
     before = progress_record(step=100, attempt=0, updated_at=_at(-1), process_started_at=_at(-60))

@@ -308,8 +308,29 @@ class Check:
     ok: bool
 
 
-def report_data(status: dict[str, Any], seen: Seen, name: str = "demo") -> dict[str, Any]:
-    """Everything the report says, as plain data (also written as JSON next to the cluster state)."""
+def _restore_tier_check(
+    restored_from: str | None, resume_step: int | None, step_at_kill: int | None, local_interval: int | None
+) -> Check:
+    """The local tier, unless GCS held a newer step than any local save could have been (continuous GCS
+    saves may land between two local ones: the trainer then rightly restores the newer GCS step)."""
+    if restored_from == contract.RESTORED_FROM_LOCAL or None in (resume_step, step_at_kill, local_interval):
+        return Check(
+            f"restored from the local tier (restoredFrom {restored_from})",
+            restored_from == contract.RESTORED_FROM_LOCAL,
+        )
+    assert resume_step is not None and step_at_kill is not None and local_interval is not None
+    newest_local = local_interval * (step_at_kill // local_interval)
+    return Check(
+        f"restored from {restored_from} at {resume_step}, newer than any local step (at most {newest_local})",
+        resume_step > newest_local,
+    )
+
+
+def report_data(
+    status: dict[str, Any], seen: Seen, name: str = "demo", local_interval: int | None = None
+) -> dict[str, Any]:
+    """Everything the report says, as plain data (also written as JSON next to the cluster state).
+    `local_interval`: the job's spec.checkpoint.local.intervalSteps, None without a local tier."""
     failure = seen.failure or status.get("lastFailure") or {}
     timeline = failure.get("timeline") or {}
     step_at_kill = failure.get("step")
@@ -347,10 +368,7 @@ def report_data(status: dict[str, Any], seen: Seen, name: str = "demo") -> dict[
                 f"same {len(seen.pods_at_kill)} pods (names and uids) before and after the restart",
                 bool(seen.pods_at_kill) and seen.pods_resumed == seen.pods_at_kill,
             ),
-            Check(
-                f"restored from the local tier (restoredFrom {restored_from})",
-                restored_from == contract.RESTORED_FROM_LOCAL,
-            ),
+            _restore_tier_check(restored_from, resume_step, step_at_kill, local_interval),
         ]
     fixed = []
     if step_at_kill is not None:
@@ -670,7 +688,9 @@ def run_demo(state_dir: Path) -> int:
             seen.saw_progress(final)
             if seen.resumed is not None and final.process_started_at == seen.resumed.process_started_at:
                 seen.resumed = final  # the restarted run's start-up timestamps are kept in every record of it
-        data = report_data(tj.get("status") or {}, seen, name)
+        local = ((tj.get("spec") or {}).get("checkpoint") or {}).get("local")
+        local_interval = local.get("intervalSteps", contract.DEFAULT_LOCAL_INTERVAL_STEPS) if local else None
+        data = report_data(tj.get("status") or {}, seen, name, local_interval)
         (state_dir / "demo-report.json").write_text(json.dumps(data, indent=2))
         print("\n" + format_report(data))
         picture = _draw(data, state_dir / "demo-report.png")
