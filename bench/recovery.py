@@ -90,12 +90,13 @@ from tpujob_devcluster.harness import (
     ensure_namespace,
     git,
     helm_install_operator,
+    lose_node,
     pod_pids,
     quantiles,
     signal_pod,
     worktree,
 )
-from tpujob_devcluster.pools import POOLS_FILE, Pool, node_manifests
+from tpujob_devcluster.pools import POOLS_FILE
 from tpujob_devcluster.throttle import ThrottledProxy
 from tpujob_operator import checkpoints
 
@@ -580,11 +581,11 @@ def rung_plan(rungs: list[Rung], rounds: int) -> list[tuple[int, Rung]]:
     return [(r, rung) for r in range(rounds) for rung in rungs[r % len(rungs) :] + rungs[: r % len(rungs)]]
 
 
+FAILURES = {"crash": "SIGKILL of one trainer process", "node": "deletion of one worker's node"}
+RUNG_HOSTS = 2  # the job's hosts: the proxy's one bucket per direction carries all of them
 # The trainers' GCS traffic goes through a throttle (tpujob_devcluster.throttle) at this per-host rate:
 # GCS's default Google egress bandwidth quota, 200 Gbps per project and region, shared by 1,000 hosts
 # restoring at once (a large multi-slice job after a failure) leaves each about 25 MB/s.
-FAILURES = {"crash": "SIGKILL of one trainer process", "node": "deletion of one worker's node"}
-RUNG_HOSTS = 2  # the job's hosts: the proxy's one bucket per direction carries all of them
 DEFAULT_GCS_MB_PER_S = 25.0
 
 
@@ -649,22 +650,6 @@ class RungBench(Bench):
             result = self.status(name, NAMESPACE)
         return result
 
-    def lose_node(self, pod: str) -> Callable[[], None]:
-        """Delete the pod's node, as GKE does when it removes a failed VM; returns how to bring it back."""
-        core: Any = self.core  # node manifests are dicts, as the e2e tier creates them
-        node = core.read_node(core.read_namespaced_pod(pod, NAMESPACE).spec.node_name)
-        labels = node.metadata.labels
-        pool = Pool(
-            labels[contract.NODE_POOL_LABEL], labels[contract.ACCELERATOR_LABEL], labels[contract.TOPOLOGY_LABEL]
-        )
-        core.delete_node(node.metadata.name)
-
-        def restore() -> None:
-            for manifest in node_manifests([pool], 0):
-                core.create_node(manifest)
-
-        return restore
-
     def inject(
         self, name: str, run_dir: str, count: int, since: float, rng: random.Random, mode: str = "crash"
     ) -> tuple[dict[str, Any], float]:
@@ -672,17 +657,17 @@ class RungBench(Bench):
         pod, pid = self.wait(lambda: self.victim(name))
         before_uids = self.pod_uids(name)
         before = checkpoints.read_progress(self.gcs, run_dir)
-        restore_node = None
+        lost = None
         if mode == "node":
-            restore_node = self.lose_node(pod)
+            lost = lose_node(self.core, NAMESPACE, pod)
         else:
             os.kill(pid, signal.SIGKILL)
         killed, t0 = time.time(), time.monotonic()
         last = [before.step if before else 0]
         progress: contract.ProgressRecord = self.wait(lambda: self.recovered(run_dir, killed, last), interval=0.05)
         recovered_at = time.monotonic()
-        if restore_node is not None:  # the next failure finds the pools as the job began
-            restore_node()
+        if lost is not None:  # the next failure finds the pools as the job began
+            lost.restore(self.core)
         status = self.failure_status(name, count)
         failure = status.get("lastFailure") or {}
         timeline = failure.get("timeline") or {}

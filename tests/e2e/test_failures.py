@@ -7,7 +7,7 @@ import time
 from typing import Any
 
 from kubernetes import client
-from tpujob_devcluster.pools import Pool, node_manifests
+from tpujob_devcluster.harness import lose_node
 
 from .conftest import E2E
 
@@ -54,17 +54,13 @@ def test_preemption_checkpoints_the_current_step_and_is_not_counted(e2e):
 
 def test_lost_node_is_restarted_on_another_pool(e2e):
     e2e.apply("nodelost", 1500, **V5E)
-    pod = e2e.core.read_namespaced_pod(_training(e2e, "nodelost"), e2e.namespace)
-    node = e2e.core.read_node(pod.spec.node_name)
-    pool = node.metadata.labels["cloud.google.com/gke-nodepool"]
-    e2e.core.delete_node(node.metadata.name)
+    node = lose_node(e2e.core, e2e.namespace, _training(e2e, "nodelost"))
     try:
         status = e2e.wait("nodelost", lambda s: s.get("phase") == "Succeeded", 360, "Succeeded")
         assert status["restarts"] == 1
         assert status["lastFailure"]["kind"] == "NodeLost", status["lastFailure"]
     finally:
-        [manifest] = [n for n in node_manifests([Pool(pool, V5E["accelerator"], V5E["topology"])], 0)]
-        e2e.core.create_node(manifest)
+        node.restore(e2e.core)
 
 
 def test_hung_process_is_restarted_after_the_hang_timeout(e2e):

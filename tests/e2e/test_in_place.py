@@ -7,10 +7,8 @@ import os
 import signal
 from typing import Any
 
-import tpujob_contract as contract
 from tpujob_devcluster.cluster import BUCKET
-from tpujob_devcluster.harness import live_pod_uids, trainer_pid
-from tpujob_devcluster.pools import Pool, node_manifests
+from tpujob_devcluster.harness import live_pod_uids, lose_node, trainer_pid
 
 V5E_TWO_SLICES: dict[str, Any] = {"accelerator": "tpu-v5-lite-podslice", "topology": "2x2", "slices": 2}
 LOCAL_INTERVAL = 5
@@ -73,8 +71,7 @@ def test_a_lost_node_replaces_only_its_pod_and_the_rest_restart_in_place(e2e):
     assert len(before) == 2, before
     lost = e2e.running_pod("inplacenode-a0-slice-1-0")
     [kept] = [name for name in before if name != lost]
-    node = e2e.core.read_node(e2e.core.read_namespaced_pod(lost, e2e.namespace).spec.node_name)
-    e2e.core.delete_node(node.metadata.name)
+    node = lose_node(e2e.core, e2e.namespace, lost)
     try:
         status = e2e.wait("inplacenode", lambda s: s.get("phase") == "Succeeded", 360, "Succeeded")
         failure = status["lastFailure"]
@@ -87,13 +84,11 @@ def test_a_lost_node_replaces_only_its_pod_and_the_rest_restart_in_place(e2e):
         assert after[kept] == before[kept], (before, after)
         assert lost not in after and len(after) == 2, (before, after)
         [replacement] = [e2e.core.read_namespaced_pod(n, e2e.namespace) for n in after if n != kept]
-        assert replacement.spec.node_name != node.metadata.name
+        assert replacement.spec.node_name != node.name
         survivor = e2e.core.read_namespaced_pod(kept, e2e.namespace)
         assert survivor.status.container_statuses[0].restart_count >= 1, survivor.status.container_statuses
         # The replacement's memory volume is new, so not every process holds a local step: GCS for all.
         record = e2e.progress("inplacenode")
         assert record is not None and record.restored_from == "gcs", record
     finally:
-        pool = node.metadata.labels[contract.NODE_POOL_LABEL]
-        [manifest] = node_manifests([Pool(pool, V5E_TWO_SLICES["accelerator"], V5E_TWO_SLICES["topology"])], 0)
-        e2e.core.create_node(manifest)
+        node.restore(e2e.core)

@@ -313,17 +313,14 @@ def _restore_tier_check(
 ) -> Check:
     """The local tier, unless GCS held a newer step than any local save could have been (continuous GCS
     saves may land between two local ones: the trainer then rightly restores the newer GCS step)."""
-    if restored_from == contract.RESTORED_FROM_LOCAL or None in (resume_step, step_at_kill, local_interval):
+    local = restored_from == contract.RESTORED_FROM_LOCAL
+    if not local and resume_step is not None and step_at_kill is not None and local_interval is not None:
+        newest_local = local_interval * (step_at_kill // local_interval)
         return Check(
-            f"restored from the local tier (restoredFrom {restored_from})",
-            restored_from == contract.RESTORED_FROM_LOCAL,
+            f"restored from {restored_from} at {resume_step}, newer than any local step (at most {newest_local})",
+            resume_step > newest_local,
         )
-    assert resume_step is not None and step_at_kill is not None and local_interval is not None
-    newest_local = local_interval * (step_at_kill // local_interval)
-    return Check(
-        f"restored from {restored_from} at {resume_step}, newer than any local step (at most {newest_local})",
-        resume_step > newest_local,
-    )
+    return Check(f"restored from the local tier (restoredFrom {restored_from})", local)
 
 
 def report_data(

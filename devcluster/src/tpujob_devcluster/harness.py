@@ -11,6 +11,7 @@ import subprocess
 import time
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +21,7 @@ from kubernetes import client
 from kubernetes.client.exceptions import ApiException
 
 from .controlplane import REPO_ROOT, free_port, tools_dir
+from .pools import Pool, node_manifests
 
 OPERATOR_NAMESPACE = "tpujob-system"
 
@@ -104,6 +106,29 @@ def pod_pids(state_dir: Path, namespace: str, pod_name: str) -> list[int]:
 def signal_pod(state_dir: Path, namespace: str, pod_name: str, sig: signal.Signals) -> None:
     for pid in pod_pids(state_dir, namespace, pod_name):
         os.kill(pid, sig)
+
+
+@dataclass(frozen=True)
+class LostNode:
+    """A node deleted as GKE removes a failed VM (its pods go with it), and what brings it back."""
+
+    name: str
+    pool: Pool
+
+    def restore(self, core: Any) -> None:
+        """Create the node again as its pool presents it (the same name and labels)."""
+        for manifest in node_manifests([self.pool], 0):
+            if manifest["metadata"]["name"] == self.name:
+                core.create_node(manifest)
+
+
+def lose_node(core: Any, namespace: str, pod: str) -> LostNode:
+    """Delete the node under `pod`."""
+    node = core.read_node(core.read_namespaced_pod(pod, namespace).spec.node_name)
+    labels = node.metadata.labels
+    pool = Pool(labels[contract.NODE_POOL_LABEL], labels[contract.ACCELERATOR_LABEL], labels[contract.TOPOLOGY_LABEL])
+    core.delete_node(node.metadata.name)
+    return LostNode(str(node.metadata.name), pool)
 
 
 def live_pod_uids(core: Any, namespace: str, jobset: str) -> dict[str, str]:
