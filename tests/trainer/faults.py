@@ -9,6 +9,7 @@ module's start_fake_gcs and swaps in the new process on restart.
 from __future__ import annotations
 
 import contextlib
+import errno
 import http.client
 import http.server
 import json
@@ -55,8 +56,16 @@ class RestartableGcs(FakeGcsServer):  # type: ignore[misc]  # mypy sees the devc
     def restore_bucket(self, name: str) -> None:
         """Put the bucket back; what the server wrote meanwhile (it recreates a directory for an
         object upload) is discarded, as if those writes had failed too."""
-        shutil.rmtree(self.root_dir / name, ignore_errors=True)
-        (self.root_dir / f".{name}.hidden").rename(self.root_dir / name)
+        # The server may recreate the directory between the rmtree and the rename: try again.
+        for _ in range(100):
+            shutil.rmtree(self.root_dir / name, ignore_errors=True)
+            try:
+                (self.root_dir / f".{name}.hidden").rename(self.root_dir / name)
+                return
+            except OSError as error:
+                if error.errno not in (errno.ENOTEMPTY, errno.EEXIST):
+                    raise
+        raise RuntimeError(f"could not put bucket {name} back: the server keeps writing into its path")
 
     def stop(self) -> None:
         if self.running():
