@@ -55,6 +55,7 @@ NAMESPACED_RESOURCES = {
     "trainingjobs/status",
     "jobsets",
     "pods",
+    "pods/status",
     "events",
     "rolebindings",
     "clusterroles",
@@ -75,6 +76,8 @@ def test_cluster_role_is_least_privilege():
     assert resources == NAMESPACED_RESOURCES | {"customresourcedefinitions", "nodes"}
     pod_rule = next(rule for rule in role["rules"] if rule["resources"] == ["pods"])
     assert pod_rule["verbs"] == ["list", "watch", "deletecollection"]
+    pod_status_rule = next(rule for rule in role["rules"] if rule["resources"] == ["pods/status"])
+    assert pod_status_rule["verbs"] == ["patch"]  # a worker on a gone node marked Failed, nothing else
     node_rule = next(rule for rule in role["rules"] if rule["resources"] == ["nodes"])
     assert node_rule["verbs"] == ["get", "list", "watch"]  # read only: whose failure it was
     # RoleBindings it creates, and only to the in-place restart agent's role: no other role can be granted.

@@ -232,3 +232,39 @@ def test_a_host_that_dies_before_its_node_is_marked_is_node_lost_once_the_node_l
     ready = next(c for c in marked.status.conditions if c.type == "Ready")
     assert ready.status == "Unknown", ready  # the controller's verdict, not ours
     assert status["phase"] != "Failed"
+
+
+def test_a_pod_whose_node_is_deleted_is_failed_at_once_and_its_loss_is_not_counted(
+    operator, cluster, nodes, unique_name
+):
+    """Slice 1's VM is deleted with its Node (what GKE does to a failed or reclaimed host): no kubelet
+    will report its pod again, which stays Running in the API, and its peer keeps training. The pod
+    garbage collector would mark it Failed only after its 40 s orphan quarantine; the operator marks
+    it at once (DisruptionTarget NodeGone: not the pod GC's DeletionByPodGC), and the failure is the
+    node's, not counted (maxRestarts 0: a counted one would fail the job)."""
+    healthy, doomed = nodes
+    cluster.apply(training_job_manifest(unique_name, restart={"backoffSeconds": 0, "maxRestarts": 0}))
+    jobset = eventually(lambda: cluster.jobset(f"{unique_name}-a0"), what="JobSet a0")
+    for name in nodes:
+        _create_node(cluster, name)
+    running = {"running": {"startedAt": _now()}}
+    _bound_pod(cluster, jobset, 0, healthy, running)
+    lost_pod = _bound_pod(cluster, jobset, 1, doomed, running)
+    time.sleep(2)  # the operator has seen both pods on their nodes
+    assert cluster.core.read_namespaced_pod(lost_pod, cluster.namespace).status.phase == "Running"
+
+    cluster.core.delete_node(doomed)
+
+    def marked() -> Any:
+        pod = cluster.core.read_namespaced_pod(lost_pod, cluster.namespace)
+        return pod if pod.status.phase == "Failed" else None
+
+    pod = eventually(marked, timeout=30, what="the pod on the deleted node marked Failed")
+    [disruption] = [c for c in pod.status.conditions if c.type == "DisruptionTarget"]
+    assert (disruption.status, disruption.reason) == ("True", "NodeGone"), disruption
+    assert doomed in disruption.message
+    status = eventually(lambda: (s := cluster.status(unique_name)).get("lastFailure") and s, what="failure decided")
+    failure = status["lastFailure"]
+    assert (failure["kind"], failure["counted"], failure["slice"]) == ("NodeLost", False, 1), failure
+    assert status["countedRestarts"] == 0 and status["phase"] != "Failed", status
+    eventually(lambda: cluster.jobset(f"{unique_name}-a1"), what="JobSet a1, the uncounted restart")

@@ -13,6 +13,7 @@ from tpujob_operator.nodes import (
     AUTOSCALER_DRAIN_TAINT,
     IMPENDING_TERMINATION_TAINT,
     NODE_FAILURE_WINDOW_SECONDS,
+    NODE_GONE_DISRUPTION,
     NODE_VERDICT_WAIT_SECONDS,
     NOT_READY_TAINT,
     OUT_OF_SERVICE_TAINT,
@@ -21,6 +22,7 @@ from tpujob_operator.nodes import (
     infrastructure_evidence,
     node_facts,
     node_signals,
+    pods_on_gone_nodes,
     slim_node,
     verdict_wait,
 )
@@ -28,7 +30,7 @@ from tpujob_operator.reconcile import reconcile
 from tpujob_operator.restarts import classify_jobset_failure
 from tpujob_operator.status import rfc3339
 
-from .factories import training_job
+from .factories import progress_record, training_job
 
 T0 = datetime(2026, 11, 30, 12, 0, tzinfo=UTC)
 UID = "0000-1111"
@@ -365,3 +367,44 @@ def test_a_restarted_operator_decides_the_same_from_status_and_the_apiservers_ob
     status, actions = reconcile(written, _observed(later, state="Failed"))
     assert actions.delete == ["llama-a0"]
     assert status.last_failure == decided.last_failure and status.counted_restarts == 0
+
+
+# -- a pod on a node that is gone -------------------------------------------------------------------
+
+
+def _on_a_gone_node(phase: str = "Running", disruption: str | None = None) -> tuple[PodFacts, ...]:
+    """Slice 1's second host's VM was deleted with its Node: its pod still says Running (no kubelet
+    reports it) and its peers still train."""
+    lost = replace(_pod("llama-a0-slice-1-1", "gke-tpu-s1-h1", phase, slice_=1), disruption_reason=disruption)
+    return (*(_pod(f"llama-a0-slice-{s}-{h}", f"gke-tpu-s{s}-h{h}", slice_=s) for s, h in ((0, 0), (0, 1), (1, 0))),
+            lost)  # fmt: skip
+
+
+def test_only_pods_still_running_on_a_node_that_is_gone_are_to_fail():
+    pods = (
+        *_on_a_gone_node(),
+        _pod("ended", "gone-too", "Failed", 1),
+        _pod("done", "gone-too", "Succeeded"),
+        _pod("unbound", None, "Pending"),
+    )
+    assert pods_on_gone_nodes(pods, _facts(*NODES[:3])) == [("llama-a0-slice-1-1", "gke-tpu-s1-h1")]
+    assert pods_on_gone_nodes(pods, None) == []  # no node watch: nothing can be said
+
+
+def test_a_training_job_whose_node_vanished_marks_that_pod_failed_and_decides_nothing_yet():
+    healthy = NODES[:3]  # gke-tpu-s1-h1 is gone
+    observed = replace(
+        _observed(T0, nodes=healthy, pods=_on_a_gone_node()),
+        progress=progress_record(uid=UID, step=50, attempt=0, updated_at=T0),
+    )
+    status, actions = reconcile(_running_job(), observed)
+    assert actions.fail_on_gone_nodes == [("llama-a0-slice-1-1", "gke-tpu-s1-h1")]
+    assert status.last_failure is None and actions.delete == [] and actions.create_attempt is None
+
+
+def test_the_pod_marked_failed_for_its_gone_node_is_node_lost_and_not_counted():
+    pods = _on_a_gone_node("Failed", NODE_GONE_DISRUPTION)
+    status, actions = reconcile(_running_job(), _observed(T0 + SECOND, nodes=NODES[:3], pods=pods))
+    failure = status.last_failure
+    assert failure is not None and (failure.kind, failure.counted, failure.slice) == ("NodeLost", False, 1)
+    assert status.counted_restarts == 0 and actions.delete == ["llama-a0"] and actions.fail_on_gone_nodes == []

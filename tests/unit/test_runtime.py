@@ -2,6 +2,7 @@
 writes combine, which status is worth a write (apply.py); what the runtime remembers of a job."""
 
 from datetime import UTC, datetime
+from typing import Any
 
 import kopf
 import pytest
@@ -165,6 +166,25 @@ def test_what_is_remembered_of_a_job_is_one_object_dropped_with_one_forget():
     runtime.forget(key)
     assert runtime.remembered(key) == 0 and runtime.memory.get(key) is None
     assert runtime.memory.held(other) == 1  # another job's memory is its own
+
+
+def test_a_deleted_node_names_the_watched_jobs_with_a_pod_bound_to_it():
+    def pod(name: str, node: str | None) -> dict[str, Any]:
+        return {"metadata": {"name": name}, **({"spec": {"nodeName": node}} if node else {})}
+
+    on_it, elsewhere, unwatched = ("ml", "llama"), ("ml", "gemma"), ("ml", "old")
+    runtime = Runtime()
+    runtime.indexes = {
+        "pods": {
+            on_it: [pod("llama-a0-slice-0-0", "host-1"), pod("llama-a0-slice-1-0", "host-7")],
+            elsewhere: [pod("gemma-a0-slice-0-0", "host-2"), pod("gemma-a1-slice-0-0", None)],
+            unwatched: [pod("old-a0-slice-0-0", "host-7")],
+        }
+    }
+    for key in (on_it, elsewhere):
+        runtime.watch(key)
+    assert runtime.jobs_on_node("host-7") == [on_it]
+    assert runtime.jobs_on_node("host-9") == []
 
 
 def test_a_refused_jobset_is_decided_by_the_apiservers_answer():

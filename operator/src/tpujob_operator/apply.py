@@ -117,6 +117,10 @@ class Applier:
         for name in actions.stop:
             kube.delete_jobset(key[0], name, save=True)
             job.deleted.add(name)
+        for pod, node in actions.fail_on_gone_nodes:
+            if not kube.node_exists(node):  # the cache may not yet hold a node just added
+                log.info("%s/%s: pod %s is bound to node %s, which is gone: marking it Failed", *key, pod, node)
+                kube.fail_pod_on_gone_node(key[0], pod, node)
 
     def create(
         self,

@@ -125,8 +125,9 @@ class Event:
 
 @dataclass
 class Actions:
-    """Side effects the runtime performs, in this order: status, delete, stop, create, events, suspend
-    (the failed attempt's JobSet is gone before its replacement exists: never two live attempts)."""
+    """Side effects the runtime performs, in this order: status, delete, stop, pods on gone nodes failed,
+    create, events, suspend (the failed attempt's JobSet is gone before its replacement exists: never
+    two live attempts)."""
 
     create_attempt: int | None = None
     create_slices: int | None = None  # the attempt's slice count (None: spec.tpu.slices)
@@ -135,6 +136,9 @@ class Actions:
     # JobSets to delete with their pods' own grace, so that the workers save on SIGTERM (a suspension)
     stop: list[str] = field(default_factory=list)
     set_suspend: tuple[str, bool] | None = None
+    # (pod, node): worker pods bound to a node that is gone, to mark Failed (once the API confirms the
+    # node is gone) as the pod garbage collector would, without its 40 s quarantine
+    fail_on_gone_nodes: list[tuple[str, str]] = field(default_factory=list)
     events: list[Event] = field(default_factory=list)
     requeue_after: float | None = None
     # Decide again on a fresh read of storage, though nothing else changes (a completion to confirm).

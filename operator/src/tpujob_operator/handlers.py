@@ -169,6 +169,15 @@ def register(runtime: Runtime, registry: kopf.OperatorRegistry) -> None:
             runtime.worker_ended(key, slim_pod(body))
         runtime.request(key)  # scheduled, running, failed: react now
 
+    @kopf.on.event("", "v1", "nodes", registry=registry, id="on_node_event")
+    async def on_node_event(type: str | None, name: str, **kwargs: Any) -> None:
+        # A deleted node (a lost VM) reports nothing more of its pods, which stay Running in the API:
+        # its jobs decide now (reconcile marks those pods Failed) rather than at their next check.
+        attach(runtime, kwargs, type)
+        if type == "DELETED":
+            for key in runtime.jobs_on_node(name):
+                runtime.request(key)
+
     @kopf.on.cleanup(registry=registry, id="stop")
     async def stop(**_: Any) -> None:
         runtime.close()

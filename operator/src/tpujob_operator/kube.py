@@ -25,6 +25,7 @@ from tpujob_contract import (
 )
 
 from . import api
+from .nodes import NODE_GONE_DISRUPTION
 
 log = logging.getLogger(__name__)
 # Every API call carries a timeout, so a stuck connection cannot stall a reconcile forever.
@@ -62,17 +63,27 @@ class Cluster:
         self.coordination = client.CoordinationV1Api()
 
     def _core(
-        self, method: str, path: str, query: list[tuple[str, Any]] | None = None, body: Any = None
+        self,
+        method: str,
+        path: str,
+        query: list[tuple[str, Any]] | None = None,
+        body: Any = None,
+        content_type: str = "application/json",
     ) -> dict[str, Any]:
         """A core/v1 call through the generic client, its JSON answer as a dict. Not client.CoreV1Api:
-        that module alone is about 20 MB of the operator's memory, for the three calls made here."""
-        return self._call(method, f"/api/v1/{path}", query, body)
+        that module alone is about 20 MB of the operator's memory, for the few calls made here."""
+        return self._call(method, f"/api/v1/{path}", query, body, content_type)
 
     def _call(
-        self, method: str, path: str, query: list[tuple[str, Any]] | None = None, body: Any = None
+        self,
+        method: str,
+        path: str,
+        query: list[tuple[str, Any]] | None = None,
+        body: Any = None,
+        content_type: str = "application/json",
     ) -> dict[str, Any]:
         api_client = self.custom.api_client
-        headers = {"Accept": "application/json"} | ({"Content-Type": "application/json"} if body is not None else {})
+        headers = {"Accept": "application/json"} | ({"Content-Type": content_type} if body is not None else {})
         request = api_client.param_serialize(
             method, path, query_params=query or [], header_params=headers, body=body,
             auth_settings=["BearerToken"],
@@ -149,6 +160,35 @@ class Cluster:
             raise
         renewed = lease.spec.renew_time if lease.spec is not None else None
         return renewed if isinstance(renewed, datetime) else None
+
+    def node_exists(self, name: str) -> bool:
+        try:
+            self._core("GET", f"nodes/{name}")
+        except ApiException as error:
+            if error.status == 404:
+                return False
+            raise
+        return True
+
+    def fail_pod_on_gone_node(self, namespace: str, pod: str, node: str) -> None:
+        """Mark a pod whose node is gone Failed, with a DisruptionTarget condition, as the pod garbage
+        collector does (after its 40 s quarantine): its Job replaces it and its failure is decided now.
+        A strategic merge keeps the pod's other conditions; a pod already gone is left alone."""
+        moment = datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+        condition = {
+            "type": "DisruptionTarget",
+            "status": "True",
+            "reason": NODE_GONE_DISRUPTION,
+            "message": f"tpujob-operator: node {node} no longer exists",
+            "lastTransitionTime": moment,
+        }
+        patch = {"status": {"phase": "Failed", "conditions": [condition]}}
+        try:
+            path = f"namespaces/{namespace}/pods/{pod}/status"
+            self._core("PATCH", path, body=patch, content_type="application/strategic-merge-patch+json")
+        except ApiException as error:
+            if error.status != 404:
+                raise
 
     def replace_status(self, body: dict[str, Any], status: dict[str, Any]) -> dict[str, Any]:
         """Write the whole status (no stale nested fields survive) on the object as it was read: its

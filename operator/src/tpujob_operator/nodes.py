@@ -65,6 +65,10 @@ _LOST_TAINTS = {
 }
 
 NodeKind = Literal["NodeLost", "Preemption"]
+ENDED = ("Succeeded", "Failed")
+# The DisruptionTarget reason of a pod the operator marks Failed because its node is gone (what the pod
+# garbage collector marks DeletionByPodGC, after its quarantine).
+NODE_GONE_DISRUPTION = "NodeGone"
 
 
 @dataclass(frozen=True)
@@ -190,6 +194,15 @@ def infrastructure_evidence(
                 found.append(Evidence(signal.kind, signal.reason, pod.node, pod.name, pod.slice, signal.detail, since))
     # The earliest signal is the likeliest cause; at one time, a lost node before a maintenance.
     return min(found, key=lambda e: (e.since, e.kind != "NodeLost"), default=None)
+
+
+def pods_on_gone_nodes(pods: Iterable[PodFacts], nodes: Mapping[str, NodeFacts] | None) -> list[tuple[str, str]]:
+    """(pod, node) for every pod that has not ended and is bound to a node that no longer exists. No
+    kubelet will report such a pod again; Kubernetes' pod garbage collector fails it only after a
+    40 s quarantine, and until then neither its Job nor a restart round can begin."""
+    if nodes is None:
+        return []
+    return [(p.name, p.node) for p in pods if p.node is not None and p.phase not in ENDED and p.node not in nodes]
 
 
 def awaited_nodes(pods: Iterable[PodFacts], round_unrecorded: bool = False) -> set[str]:

@@ -34,6 +34,7 @@ from .api import (
 )
 from .facts import Actions, CreationRefused, Event, JobSetFacts, Observed, PodFacts
 from .jobset import jobset_name
+from .nodes import pods_on_gone_nodes
 from .restarts import (
     TERMINAL_KINDS,
     Failure,
@@ -184,6 +185,7 @@ def _decide(tj: TrainingJob, observed: Observed) -> tuple[TrainingJobStatus, Act
         # Pods stopped by a suspension exit 143 after saving: that is not a failure, never classified.
         return _suspension(tj, status, observed, actions, current)
     current = _without_pods_from_before_resume(current)
+    actions.fail_on_gone_nodes = pods_on_gone_nodes(current.pods, observed.nodes)
     if current.in_place and current.state != "Failed":  # a Failed one: JobSet spent the rung without us
         return _in_place(tj, status, observed, actions, current)
     # A failed worker fails the attempt (every Job has backoffLimit 0). Acting on the pod, not on the

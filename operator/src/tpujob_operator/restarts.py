@@ -11,7 +11,7 @@ from tpujob_contract import ExitCode
 
 from .api import FailureKind, RestartSpec
 from .facts import JobSetFacts, NodeFacts, PodFacts
-from .nodes import Evidence, infrastructure_evidence, verdict_wait
+from .nodes import NODE_GONE_DISRUPTION, Evidence, infrastructure_evidence, verdict_wait
 
 # The trainer's exit codes that name a cause (the contract; trainer_image/README.md, "Exit codes"):
 # exit code -> (kind, reason, what the pod did).
@@ -52,6 +52,7 @@ _INFRASTRUCTURE_DISRUPTIONS: dict[str, FailureKind] = {
     "TerminationByKubelet": "Preemption",  # node shutdown / spot reclaim
     "DeletionByTaintManager": "NodeLost",  # node NotReady / unreachable
     "DeletionByPodGC": "NodeLost",  # node object deleted
+    NODE_GONE_DISRUPTION: "NodeLost",  # node object deleted, marked by the operator ahead of the pod GC
 }
 _NODE_LOST_POD_REASONS = {"NodeLost", "NodeShutdown", "Terminated"}
 # Kinds that blame the job, which the nodes under its pods can show to be the infrastructure's (nodes.py).

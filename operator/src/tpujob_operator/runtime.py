@@ -12,10 +12,11 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
-from typing import Any
+from typing import Any, cast
 
 from prometheus_client import CollectorRegistry
 from pydantic import ValidationError
@@ -145,6 +146,15 @@ class Runtime:
     def holds_jobsets(self, key: JobKey) -> bool:
         """Whether the cache holds a JobSet labelled with the job's name (of any incarnation)."""
         return any(True for _ in self.indexes.get("jobsets", {}).get(key, ()))
+
+    def jobs_on_node(self, node: str) -> list[JobKey]:
+        """The watched jobs with a cached worker pod bound to `node`."""
+        pods = cast(Mapping[JobKey, Iterable[dict[str, Any]]], self.indexes.get("pods", {}))
+        return [
+            key
+            for key, found in pods.items()
+            if key in self.watched and any((p.get("spec") or {}).get("nodeName") == node for p in found)
+        ]
 
     def request(self, key: JobKey, delay: float = 0.0) -> None:
         if key in self.watched:
