@@ -83,7 +83,6 @@ from typing import Any
 import tpujob_contract as contract
 import yaml
 from kubernetes import client, config, watch
-from kubernetes.client.exceptions import ApiException
 from tpujob_contract import JOBSET_GROUP, JOBSET_PLURAL, JOBSET_VERSION, LABEL_ATTEMPT, LABEL_NAME
 from tpujob_devcluster.cluster import BUCKET, DevCluster
 from tpujob_devcluster.controlplane import REPO_ROOT
@@ -475,23 +474,21 @@ class FirstSeen:
                 kwargs: dict[str, Any] = {"label_selector": LABEL_NAME, "timeout_seconds": 120}
                 if version:
                     kwargs["resource_version"] = version
-                for event in w.stream(self.list_call, *self.args, **kwargs):
+                # JSON only: the client's models would cost this process (the operator's GCS proxy) CPU
+                for event in w.stream(self.list_call, *self.args, deserialize=False, **kwargs):
                     now = time.time()
                     if event["type"] == "ERROR":
                         version = None
                         break
-                    obj = event["raw_object"]
+                    obj = event["object"]
                     version = obj["metadata"].get("resourceVersion") or version
                     key = self.key(obj)
                     with self.changed:
                         if key is not None and key not in self.seen:
                             self.seen[key] = now
                             self.changed.notify_all()
-            except ApiException as error:
-                if error.status == 410:
-                    version = None
-                time.sleep(0.2)
-            except Exception:
+            except Exception:  # 410 Gone among them (unparsed, the client's own 410 handling fails): list again
+                version = None
                 time.sleep(0.2)
             finally:
                 w.stop()
