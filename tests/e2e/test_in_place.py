@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import signal
+import time
 from typing import Any
 
 from tpujob_devcluster.cluster import BUCKET
@@ -73,6 +74,13 @@ def test_a_lost_node_replaces_only_its_pod_and_the_rest_restart_in_place(e2e):
     [kept] = [name for name in before if name != lost]
     node = lose_node(e2e.core, e2e.namespace, lost)
     try:
+        # The operator marks the pod Failed (NodeGone) as soon as its node is gone; the pod garbage
+        # collector would mark it DeletionByPodGC, only after its 40 s orphan quarantine.
+        deadline = time.monotonic() + 30
+        while (pod := e2e.core.read_namespaced_pod(lost, e2e.namespace)).status.phase != "Failed":
+            assert time.monotonic() < deadline, f"{lost} on the deleted node {node.name} is still {pod.status.phase}"
+            time.sleep(0.5)
+        assert [c.reason for c in pod.status.conditions if c.type == "DisruptionTarget"] == ["NodeGone"]
         status = e2e.wait("inplacenode", lambda s: s.get("phase") == "Succeeded", 360, "Succeeded")
         failure = status["lastFailure"]
         assert (failure["rung"], failure["kind"], failure["counted"]) == ("InPlace", "NodeLost", False), failure
