@@ -75,7 +75,7 @@ def test_cluster_role_is_least_privilege():
     assert "secrets" not in resources and "namespaces" not in resources
     assert resources == NAMESPACED_RESOURCES | {"customresourcedefinitions", "nodes"}
     pod_rule = next(rule for rule in role["rules"] if rule["resources"] == ["pods"])
-    assert pod_rule["verbs"] == ["list", "watch", "deletecollection"]
+    assert pod_rule["verbs"] == ["list", "watch", "delete", "deletecollection"]
     pod_status_rule = next(rule for rule in role["rules"] if rule["resources"] == ["pods/status"])
     assert pod_status_rule["verbs"] == ["patch"]  # a worker on a gone node marked Failed, nothing else
     node_rule = next(rule for rule in role["rules"] if rule["resources"] == ["nodes"])

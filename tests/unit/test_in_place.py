@@ -6,7 +6,7 @@ from datetime import UTC, datetime, timedelta
 
 from tpujob_operator.facts import JobSetFacts, NodeFacts, Observed, PodFacts
 from tpujob_operator.jobset import IN_PLACE_RESTART_EXIT_CODE, jobset_facts
-from tpujob_operator.nodes import awaited_nodes
+from tpujob_operator.nodes import NODE_GONE_DISRUPTION, awaited_nodes, recorded_pods_on_gone_nodes
 from tpujob_operator.reconcile import reconcile
 from tpujob_operator.status import rfc3339, rfc3339_precise
 
@@ -71,6 +71,26 @@ def test_a_lost_node_is_the_infrastructures_restart_and_costs_no_budget():
     assert (status.restarts, status.counted_restarts, status.in_place_restarts) == (1, 0, 1)
     assert (status.last_failure.kind, status.last_failure.counted) == ("NodeLost", False)
     assert actions.delete == []
+
+
+def test_a_pod_marked_failed_on_a_gone_node_is_removed_once_its_round_is_recorded():
+    """The lost host's pod keeps JobSet's barrier down until it is gone (it will never reach the new
+    round): once status records the round's NodeLost failure, the operator deletes it, rather than
+    leaving it to the pod garbage collector's 40 s quarantine; never before, so that a restarted
+    operator still finds the evidence."""
+    marked = PodFacts("llama-a0-slice-0-0", 0, "Failed", disruption_reason=NODE_GONE_DISRUPTION,
+                      disruption_since=T0, node="gone-host")  # fmt: skip
+    nodes = {"host-1": NodeFacts("host-1", ready="True")}
+    observed = dataclasses.replace(_observed(_jobset(pods=(marked, _worker(node="host-1")))), nodes=nodes)
+    status, actions = reconcile(_job(), observed)
+    assert (status.last_failure.kind, status.last_failure.counted) == ("NodeLost", False)
+    assert actions.remove_from_gone_nodes == ["llama-a0-slice-0-0"] and actions.delete == []
+    # Never before a failure at or after its own is recorded, never one on a node that exists or still running.
+    assert recorded_pods_on_gone_nodes([marked], nodes, None) == []
+    assert recorded_pods_on_gone_nodes([marked], nodes, T0 - timedelta(seconds=1)) == []
+    assert recorded_pods_on_gone_nodes([dataclasses.replace(marked, node="host-1")], nodes, T0) == []
+    assert recorded_pods_on_gone_nodes([dataclasses.replace(marked, phase="Running")], nodes, T0) == []
+    assert recorded_pods_on_gone_nodes([marked], None, T0) == []  # no node watch: nothing is known gone
 
 
 def test_the_round_after_the_rung_is_spent_climbs_to_recreate():

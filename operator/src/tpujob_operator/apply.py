@@ -121,6 +121,9 @@ class Applier:
             if not kube.node_exists(node):  # the cache may not yet hold a node just added
                 log.info("%s/%s: pod %s is bound to node %s, which is gone: marking it Failed", *key, pod, node)
                 kube.fail_pod_on_gone_node(key[0], pod, node)
+        for pod in actions.remove_from_gone_nodes:
+            log.info("%s/%s: removing pod %s, failed on a node that is gone (its failure is recorded)", *key, pod)
+            kube.delete_pod(key[0], pod)
 
     def create(
         self,

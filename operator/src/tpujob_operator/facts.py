@@ -22,6 +22,7 @@ class PodFacts:
     exit_code: int | None = None
     reason: str | None = None  # container terminated reason (Error, OOMKilled, ...) or pod reason
     disruption_reason: str | None = None  # DisruptionTarget condition reason, if any
+    disruption_since: datetime | None = None  # ... and its lastTransitionTime
     finished_at: datetime | None = None
     unschedulable_message: str | None = None  # PodScheduled=False/Unschedulable message
     created: datetime | None = None
@@ -125,8 +126,8 @@ class Event:
 
 @dataclass
 class Actions:
-    """Side effects the runtime performs, in this order: status, delete, stop, pods on gone nodes failed,
-    create, events, suspend (the failed attempt's JobSet is gone before its replacement exists: never
+    """Side effects the runtime performs, in this order: status, delete, stop, pods on gone nodes failed
+    or removed, create, events, suspend (the failed attempt's JobSet is gone before its replacement exists: never
     two live attempts)."""
 
     create_attempt: int | None = None
@@ -139,6 +140,9 @@ class Actions:
     # (pod, node): worker pods bound to a node that is gone, to mark Failed (once the API confirms the
     # node is gone) as the pod garbage collector would, without its 40 s quarantine
     fail_on_gone_nodes: list[tuple[str, str]] = field(default_factory=list)
+    # Failed worker pods on a gone node whose failure status records: deleted (what the pod GC does after
+    # its quarantine), since JobSet's in-place restart waits for every pod of the JobSet to restart
+    remove_from_gone_nodes: list[str] = field(default_factory=list)
     events: list[Event] = field(default_factory=list)
     requeue_after: float | None = None
     # Decide again on a fresh read of storage, though nothing else changes (a completion to confirm).

@@ -385,6 +385,7 @@ def pod_facts(pod: dict[str, Any]) -> PodFacts:
         exit_code=terminated.get("exitCode"),
         reason=terminated.get("reason") or status.get("reason"),
         disruption_reason=disruption.get("reason") if disruption else None,
+        disruption_since=parse_time(disruption.get("lastTransitionTime")) if disruption else None,
         finished_at=parse_time(terminated.get("finishedAt")),
         unschedulable_message=unschedulable,
         created=parse_time(meta.get("creationTimestamp")),

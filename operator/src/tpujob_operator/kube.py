@@ -190,6 +190,14 @@ class Cluster:
             if error.status != 404:
                 raise
 
+    def delete_pod(self, namespace: str, name: str) -> None:
+        """Delete a pod at once (grace 0: it has ended, and no kubelet is left to confirm it)."""
+        try:
+            self._core("DELETE", f"namespaces/{namespace}/pods/{name}", [("gracePeriodSeconds", 0)])
+        except ApiException as error:
+            if error.status != 404:
+                raise
+
     def replace_status(self, body: dict[str, Any], status: dict[str, Any]) -> dict[str, Any]:
         """Write the whole status (no stale nested fields survive) on the object as it was read: its
         resourceVersion makes the apiserver refuse the write if anyone changed it since (Conflict)."""

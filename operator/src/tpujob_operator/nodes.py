@@ -205,6 +205,26 @@ def pods_on_gone_nodes(pods: Iterable[PodFacts], nodes: Mapping[str, NodeFacts] 
     return [(p.name, p.node) for p in pods if p.node is not None and p.phase not in ENDED and p.node not in nodes]
 
 
+def recorded_pods_on_gone_nodes(
+    pods: Iterable[PodFacts], nodes: Mapping[str, NodeFacts] | None, recorded: datetime | None
+) -> list[str]:
+    """Failed pods bound to a node that no longer exists, whose failure a failure recorded at `recorded`
+    (status.lastFailure.time) covers: their evidence is in status, so they may go. JobSet's in-place
+    restart lifts its barrier only when every pod of the JobSet is at the new round, and such a pod
+    never will be: left to the pod garbage collector, the round would wait out its 40 s quarantine."""
+    if nodes is None or recorded is None:
+        return []
+    return [
+        p.name
+        for p in pods
+        if p.phase == "Failed"
+        and p.node is not None
+        and p.node not in nodes
+        and (ended := p.finished_at or p.disruption_since) is not None
+        and ended <= recorded
+    ]
+
+
 def awaited_nodes(pods: Iterable[PodFacts], round_unrecorded: bool = False) -> set[str]:
     """The nodes whose word a failure may wait for: those under pods still running beside a failed one,
     or under every pod of an in-place restart round not yet recorded (its failed worker runs again)."""

@@ -34,7 +34,7 @@ from .api import (
 )
 from .facts import Actions, CreationRefused, Event, JobSetFacts, Observed, PodFacts
 from .jobset import jobset_name
-from .nodes import pods_on_gone_nodes
+from .nodes import pods_on_gone_nodes, recorded_pods_on_gone_nodes
 from .restarts import (
     TERMINAL_KINDS,
     Failure,
@@ -88,6 +88,9 @@ def reconcile(tj: TrainingJob, observed: Observed) -> tuple[TrainingJobStatus, A
     if tj.status.start_time is None:
         tj = tj.model_copy(update={"status": tj.status.model_copy(update={"start_time": rfc3339(observed.now)})})
     status, actions = _decide(tj, observed)
+    if (current := _current(status, observed, tj.metadata.get("uid"))) is not None:
+        recorded = parse_time(status.last_failure.time) if status.last_failure else None
+        actions.remove_from_gone_nodes = recorded_pods_on_gone_nodes(current.pods, observed.nodes, recorded)
     status = _with_queue(status, observed, tj.metadata.get("uid"))
     status = _with_timeline(status, observed, actions, tj.metadata.get("uid"))
     status.goodput = goodput.advance(tj.status, status, observed.progress, observed.now, tj.spec.tpu.slices)
