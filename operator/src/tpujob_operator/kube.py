@@ -63,16 +63,11 @@ class Cluster:
         self.coordination = client.CoordinationV1Api()
 
     def _core(
-        self,
-        method: str,
-        path: str,
-        query: list[tuple[str, Any]] | None = None,
-        body: Any = None,
-        content_type: str = "application/json",
+        self, method: str, path: str, query: list[tuple[str, Any]] | None = None, body: Any = None
     ) -> dict[str, Any]:
         """A core/v1 call through the generic client, its JSON answer as a dict. Not client.CoreV1Api:
         that module alone is about 20 MB of the operator's memory, for the few calls made here."""
-        return self._call(method, f"/api/v1/{path}", query, body, content_type)
+        return self._call(method, f"/api/v1/{path}", query, body)
 
     def _call(
         self,
@@ -184,8 +179,8 @@ class Cluster:
         }
         patch = {"status": {"phase": "Failed", "conditions": [condition]}}
         try:
-            path = f"namespaces/{namespace}/pods/{pod}/status"
-            self._core("PATCH", path, body=patch, content_type="application/strategic-merge-patch+json")
+            path = f"/api/v1/namespaces/{namespace}/pods/{pod}/status"
+            self._call("PATCH", path, body=patch, content_type="application/strategic-merge-patch+json")
         except ApiException as error:
             if error.status != 404:
                 raise
