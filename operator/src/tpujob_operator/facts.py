@@ -10,6 +10,7 @@ from typing import Literal
 import tpujob_contract as contract
 
 JobSetState = Literal["Active", "Suspended", "Completed", "Failed"]
+POD_ENDED_PHASES = ("Succeeded", "Failed")  # a pod in either has ended for good
 
 
 @dataclass(frozen=True)

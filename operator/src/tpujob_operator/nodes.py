@@ -35,7 +35,7 @@ from typing import Any, Literal
 
 import tpujob_contract as contract
 
-from .facts import NodeFacts, PodFacts, Taint
+from .facts import POD_ENDED_PHASES, NodeFacts, PodFacts, Taint
 from .status import parse_time
 
 # A node signal counts for a failure when it began no later than this after the first failed pod
@@ -65,7 +65,6 @@ _LOST_TAINTS = {
 }
 
 NodeKind = Literal["NodeLost", "Preemption"]
-ENDED = ("Succeeded", "Failed")
 # The DisruptionTarget reason of a pod the operator marks Failed because its node is gone (what the pod
 # garbage collector marks DeletionByPodGC, after its quarantine).
 NODE_GONE_DISRUPTION = "NodeGone"
@@ -202,7 +201,9 @@ def pods_on_gone_nodes(pods: Iterable[PodFacts], nodes: Mapping[str, NodeFacts] 
     40 s quarantine, and until then neither its Job nor a restart round can begin."""
     if nodes is None:
         return []
-    return [(p.name, p.node) for p in pods if p.node is not None and p.phase not in ENDED and p.node not in nodes]
+    return [
+        (p.name, p.node) for p in pods if p.node is not None and p.node not in nodes and p.phase not in POD_ENDED_PHASES
+    ]
 
 
 def recorded_pods_on_gone_nodes(
@@ -231,7 +232,7 @@ def awaited_nodes(pods: Iterable[PodFacts], round_unrecorded: bool = False) -> s
     pods = list(pods)
     if not round_unrecorded and not any(p.phase == "Failed" for p in pods):
         return set()
-    return {p.node for p in pods if p.node is not None and p.phase not in ("Succeeded", "Failed")}
+    return {p.node for p in pods if p.node is not None and p.phase not in POD_ENDED_PHASES}
 
 
 def verdict_wait(
@@ -248,9 +249,7 @@ def verdict_wait(
     silent = [
         p
         for p in pods
-        if p.node is not None
-        and p.phase not in ("Succeeded", "Failed")
-        and not _heard_from(nodes.get(p.node), first_failure)
+        if p.node is not None and p.phase not in POD_ENDED_PHASES and not _heard_from(nodes.get(p.node), first_failure)
     ]
     if not silent:
         return None

@@ -19,7 +19,7 @@ import tpujob_contract as contract
 from tpujob_contract import LABEL_ATTEMPT, QUEUE_LABEL
 
 from . import api, checkpoints, elastic, frameworks, nodes
-from .facts import JobSetFacts, NodeFacts, Observed
+from .facts import POD_ENDED_PHASES, JobSetFacts, NodeFacts, Observed
 from .jobset import expected_pods, incarnation_uid, jobset_facts, queue_name, workload_admission
 from .kube import Cluster
 from .memory import JobMemory, Lookup
@@ -179,7 +179,7 @@ def _earlier_and_running(pod: Mapping[str, Any], attempt: int, nodes: Mapping[st
     """A worker pod of an attempt before `attempt` that may still run its trainer: not ended, and bound
     to a node that exists (`nodes`: those under the job's pods; None: no node index, any node counts)."""
     label = str((pod.get("metadata", {}).get("labels") or {}).get(LABEL_ATTEMPT, ""))
-    ended = (pod.get("status") or {}).get("phase") in ("Succeeded", "Failed")
+    ended = (pod.get("status") or {}).get("phase") in POD_ENDED_PHASES
     node = (pod.get("spec") or {}).get("nodeName")
     on_a_node = node is not None and (nodes is None or node in nodes)
     return label.isdigit() and int(label) < attempt and not ended and on_a_node
@@ -295,8 +295,7 @@ class Observer:
         foreign_running = [
             p
             for p in pods
-            if incarnation_uid(p) not in (None, uid)
-            and (p.get("status") or {}).get("phase") not in ("Succeeded", "Failed")
+            if incarnation_uid(p) not in (None, uid) and (p.get("status") or {}).get("phase") not in POD_ENDED_PHASES
         ]
         attempt_pods = [p for p in ours if (p["metadata"].get("labels") or {}).get(LABEL_ATTEMPT) == attempt]
         workers_running = any((p.get("status") or {}).get("phase") == "Running" for p in attempt_pods)
