@@ -408,3 +408,14 @@ def test_the_pod_marked_failed_for_its_gone_node_is_node_lost_and_not_counted():
     failure = status.last_failure
     assert failure is not None and (failure.kind, failure.counted, failure.slice) == ("NodeLost", False, 1)
     assert status.counted_restarts == 0 and actions.delete == ["llama-a0"] and actions.fail_on_gone_nodes == []
+
+
+def test_a_pod_on_a_gone_node_is_failed_while_storage_cannot_be_read_but_not_under_a_suspension():
+    """Marking needs no storage (the failure that follows is decided as any with storage unknown); a
+    JobSet someone else suspended is stopping its pods itself, and its pods' end is not a failure."""
+    unreadable = replace(_observed(T0, nodes=NODES[:3], pods=_on_a_gone_node()), storage_error="GCS timed out")
+    _, actions = reconcile(_running_job(), unreadable)
+    assert actions.fail_on_gone_nodes == [("llama-a0-slice-1-1", "gke-tpu-s1-h1")]
+    suspended = _observed(T0, nodes=NODES[:3], pods=_on_a_gone_node(), state="Suspended")
+    _, actions = reconcile(_running_job(), suspended)
+    assert actions.fail_on_gone_nodes == [] and actions.remove_from_gone_nodes == []
