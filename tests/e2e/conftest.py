@@ -105,6 +105,26 @@ class E2E:
             time.sleep(0.5)
         raise AssertionError(f"{name}: waiting for {what}; last status {status}\n{self.logs_tail(name)}")
 
+    def wait_progressing(
+        self, name: str, predicate: Callable[[dict[str, Any]], bool], stall: float, cap: float, what: str
+    ) -> dict[str, Any]:
+        """`wait`, but the deadline is `stall` seconds after the step last advanced (at most `cap` in
+        all): a loaded machine trains slower, and only a job that stops moving is a failure."""
+        started = time.monotonic()
+        deadline = started + stall
+        status: dict[str, Any] = {}
+        best = -1
+        while time.monotonic() < min(deadline, started + cap):
+            status = self.status(name)
+            if predicate(status):
+                return status
+            if status.get("phase") == "Failed" and "Failed" not in what:
+                break
+            if (status.get("step") or 0) > best:
+                best, deadline = status.get("step") or 0, time.monotonic() + stall
+            time.sleep(0.5)
+        raise AssertionError(f"{name}: waiting for {what}; last status {status}\n{self.logs_tail(name)}")
+
     @staticmethod
     def until(probe: Callable[[], bool], timeout: float, what: str) -> None:
         deadline = time.monotonic() + timeout
