@@ -95,6 +95,7 @@ Accelerator = Literal["tpu-v4-podslice", "tpu-v5p-slice", "tpu-v5-lite-podslice"
 assert set(Accelerator.__args__) == set(ACCELERATORS), "Accelerator literal drifted from tpu.ACCELERATORS"  # type: ignore[attr-defined]
 
 Phase = Literal["Pending", "Running", "Restarting", "Suspended", "Succeeded", "Failed"]
+TERMINAL_PHASES: tuple[Phase, ...] = ("Succeeded", "Failed")  # decided for good: nothing runs again
 FailureKind = Literal[
     "Preemption",
     "ApplicationError",

@@ -20,7 +20,7 @@ from typing import Literal
 
 import tpujob_contract as contract
 
-from .api import Badput, Goodput, Stage, TrainingJobStatus
+from .api import TERMINAL_PHASES, Badput, Goodput, Stage, TrainingJobStatus
 from .status import decided_failure, parse_time, rfc3339_precise
 
 Cause = Literal[
@@ -43,7 +43,6 @@ _STAGE_CAUSE: dict[Stage, Cause] = {
     "Suspended": "suspended",
     "Queued": "queued",
 }
-_TERMINAL = ("Succeeded", "Failed")
 
 
 def _seconds(ledger: Goodput, cause: Cause) -> float:
@@ -70,7 +69,7 @@ def _move(ledger: Goodput, source: Cause, target: Cause, seconds: float) -> floa
 
 def _cause_of(status: TrainingJobStatus) -> Cause | None:
     """What the time since the last update was spent on, by the stage the job was in."""
-    if status.phase in _TERMINAL or status.stage == "Finished":
+    if status.phase in TERMINAL_PHASES or status.stage == "Finished":
         return None
     if status.stage is None:
         return "scheduling"

@@ -28,7 +28,6 @@ from tpujob_contract import (
 from . import api
 from .nodes import slim_node
 from .observe import slim_jobset, slim_pod, slim_workload, without_managed_fields
-from .reconcile import TERMINAL_PHASES
 from .runtime import Runtime
 
 log = logging.getLogger("tpujob")
@@ -133,7 +132,7 @@ def register(runtime: Runtime, registry: kopf.OperatorRegistry) -> None:
         if type == "DELETED":
             runtime.forget(key)
             return
-        if status.get("phase") in TERMINAL_PHASES:
+        if status.get("phase") in api.TERMINAL_PHASES:
             # A finished job is reconciled while the cache holds a JobSet of it: it must hold nothing (an
             # operator that died between the Failed status and the delete cleans up when it is back).
             if key not in runtime.watched and runtime.holds_jobsets(key):

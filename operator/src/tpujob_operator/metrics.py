@@ -53,7 +53,6 @@ DEFAULT_PORT = 8081
 JOB_LABELS = ("namespace", "name")
 # Phases of a live job: a Succeeded or Failed job is forgotten.
 LIVE_PHASES: tuple[api.Phase, ...] = ("Pending", "Running", "Restarting", "Suspended")
-TERMINAL_PHASES: tuple[api.Phase, ...] = ("Succeeded", "Failed")
 # `cause` label values: the api.Badput field names without `_seconds` (scheduling, checkpoint_save, ...).
 BADPUT_CAUSES: dict[str, str] = {field: field.removesuffix("_seconds") for field in api.Badput.model_fields}
 # Each cause as ml-goodput-measurement's BadputType names it, where one matches (its startup is our
@@ -312,7 +311,7 @@ class OperatorMetrics:
         checkpoint = after.latest_checkpoint
         with self._lock:
             self._expiring.pop(key, None)
-            if after.phase in TERMINAL_PHASES:
+            if after.phase in api.TERMINAL_PHASES:
                 self._end(key)
             else:
                 self._live[key] = _LiveJob(

@@ -21,6 +21,7 @@ from . import elastic, frameworks, goodput
 from .api import (
     IN_PLACE,
     RECREATE,
+    TERMINAL_PHASES,
     FailureEvidence,
     FailureRecord,
     FailureTimeline,
@@ -58,7 +59,6 @@ from .status import (
 )
 from .tpu import slice_shape
 
-TERMINAL_PHASES = ("Succeeded", "Failed")
 # When a job is next re-examined without news (`Actions.requeue_after`): watch events bring news about
 # JobSets and pods at once, so a timer is needed only for what no event announces: a stage's deadline,
 # the trainer's progress (in storage), a backoff's end.

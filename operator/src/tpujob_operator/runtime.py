@@ -22,6 +22,7 @@ from prometheus_client import CollectorRegistry
 from pydantic import ValidationError
 
 from . import api, checkpoints, policy
+from .api import TERMINAL_PHASES
 from .apply import IN_PLACE_AGENT_ROLE, Applier, changes_the_world, is_acting
 from .facts import Actions, Event
 from .jobset import InPlaceRestartAction, jobset_facts
@@ -39,7 +40,7 @@ from .observe import (
     workers_ending,
 )
 from .reads import BoundedReads
-from .reconcile import TERMINAL_PHASES, after_creation_refused, reconcile, release
+from .reconcile import after_creation_refused, reconcile, release
 from .resync import Resync
 from .schedule import JobKey, Schedule
 from .status import rfc3339, with_phase
