@@ -10,7 +10,7 @@ PY := $(VENV)/bin/python
 DEPS_STAMP := $(VENV)/.deps-$(shell cat requirements-dev.txt contract/pyproject.toml operator/pyproject.toml trainer_image/pyproject.toml devcluster/pyproject.toml | sha1sum | cut -c1-12)
 PYTEST_ARGS ?=
 
-.PHONY: setup venv binaries tools prometheus maxtext-venv checkov-venv docs-venv crds lint test test-unit test-integration test-trainer up down demo bench bench-recovery bench-scale bench-elastic clean
+.PHONY: setup venv binaries tools prometheus maxtext-venv checkov-venv docs-venv crds lint test test-unit test-integration test-trainer test-e2e up down demo bench bench-recovery bench-scale bench-elastic clean
 
 setup: venv binaries tools prometheus
 
@@ -73,8 +73,10 @@ lint: venv tools prometheus checkov-venv docs-venv
 	  CKV_SKIP_PACKAGE_UPDATE_CHECK=TRUE "$$(devcluster/checkov_venv.sh)" --config-file .checkov.yaml \
 	  -d "$$rendered" --framework kubernetes --skip-download --quiet --compact
 
+# The e2e tier runs beside the others (tests/run_tiers.sh says why); one tier alone: test-unit,
+# test-integration, test-trainer, test-e2e.
 test: setup lint maxtext-venv
-	$(PY) -m pytest $(PYTEST_ARGS)
+	tests/run_tiers.sh $(PY) $(PYTEST_ARGS)
 
 test-unit: venv
 	$(PY) -m pytest tests/unit $(PYTEST_ARGS)
@@ -84,6 +86,9 @@ test-integration: setup
 
 test-trainer: venv
 	$(PY) -m pytest tests/trainer $(PYTEST_ARGS)
+
+test-e2e: setup maxtext-venv
+	$(PY) -m pytest tests/e2e $(PYTEST_ARGS)
 
 up: setup
 	$(PY) -m tpujob_devcluster up

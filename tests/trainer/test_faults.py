@@ -8,6 +8,7 @@ import time
 from pathlib import Path
 
 import pytest
+from tpujob_devcluster.fakegcs import FakeGcsServer
 
 from tests.trainer.faults import RestartableGcs
 from tests.trainer.procs import BUCKET, Attempt, Job
@@ -40,7 +41,9 @@ def test_storage_down_at_start_is_waited_out(faulty_job: Job, faulty_gcs: Restar
 
 @pytest.mark.slow
 @pytest.mark.timeout(600)
-def test_storage_faults_mid_run_cost_nothing(faulty_job: Job, faulty_gcs: RestartableGcs, tmp_path: Path) -> None:
+def test_storage_faults_mid_run_cost_nothing(
+    faulty_job: Job, faulty_gcs: RestartableGcs, gcs: FakeGcsServer, trainer_env: dict[str, str], tmp_path: Path
+) -> None:
     """Three faults while a continuously checkpointing run trains: the bucket answering 404 (saves
     fail at once; today's trainer dies of it), the server down (15 s) and hung (15 s)."""
     steps = 15000
@@ -48,14 +51,24 @@ def test_storage_faults_mid_run_cost_nothing(faulty_job: Job, faulty_gcs: Restar
     # One device per process: on 2 CPU devices, XLA's in-process all-gather of the fsdp step was
     # seen to abort ("Termination timeout for all gather", exit -6) in runs of thousands of steps
     # with continuous saves, with or without storage faults; that hazard is not this test's subject.
-    faulty_job.base_env = {**faulty_job.base_env, "XLA_FLAGS": "--xla_force_host_platform_device_count=1"}
+    one_device = {"XLA_FLAGS": "--xla_force_host_platform_device_count=1"}
+    faulty_job.base_env = {**faulty_job.base_env, **one_device}
     (tmp_path / "reference").mkdir()
-    reference = Job(faulty_gcs, faulty_job.base_env, tmp_path / "reference", f"ref-{faulty_job.name}")
+    # The uninterrupted twin trains at the same time, on the session's healthy emulator.
+    reference = Job(gcs, {**trainer_env, **one_device}, tmp_path / "reference", f"ref-{faulty_job.name}")
     try:
-        assert reference.start(args).wait(300) == [0]
+        _run_with_faults(faulty_job, faulty_gcs, reference.start(args), args)
+        assert reference.attempts[0].wait(300) == [0], reference.attempts[0].output()
     finally:
         reference.kill_all()
+    assert faulty_job.committed_steps()[-1] == steps
+    record = faulty_job.progress()
+    assert (record["state"], record["step"], record["last_committed_step"]) == ("succeeded", steps, steps)
+    assert record["save_failures"] >= 1
+    assert faulty_job.digest(steps) == reference.digest(steps)
 
+
+def _run_with_faults(faulty_job: Job, faulty_gcs: RestartableGcs, reference: Attempt, args: list[str]) -> None:
     attempt = faulty_job.start(args)
     attempt.wait_until(lambda: bool(faulty_job.committed_steps()) and attempt.last_step() >= 100, timeout=120)
     faults = [f"bucket 404 from step {attempt.last_step()}"]
@@ -79,14 +92,8 @@ def test_storage_faults_mid_run_cost_nothing(faulty_job: Job, faulty_gcs: Restar
         finally:
             faulty_gcs.unhang()
     assert attempt.wait(300) == [0], attempt.output()
-    print("faults:", "; ".join(faults), f"; ended at step {steps}")
+    print("faults:", "; ".join(faults), f"; reference at step {reference.last_step()} when the run ended")
     assert "checkpoint: save failed" in attempt.output()
-
-    assert faulty_job.committed_steps()[-1] == steps
-    record = faulty_job.progress()
-    assert (record["state"], record["step"], record["last_committed_step"]) == ("succeeded", steps, steps)
-    assert record["save_failures"] >= 1
-    assert faulty_job.digest(steps) == reference.digest(steps)
 
 
 def _delete_one_array_object(job: Job, step: int) -> str:
