@@ -7,8 +7,12 @@ processes), kwok replaces node VMs, TPU chips are CPU devices, fake-gcs-server r
 
 from __future__ import annotations
 
+import json
 import signal
+import threading
 import time
+import traceback
+import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -237,6 +241,54 @@ def make_namespace(cluster: DevCluster, name: str) -> E2E:
     while not view.core.list_namespaced_service_account(name).items and time.monotonic() < deadline:
         time.sleep(0.2)
     return view
+
+
+# name -> (the scenario, the TrainingJob it runs): scenarios that run side by side.
+Scenarios = dict[str, tuple[Callable[[E2E], None], str]]
+
+
+def run_side_by_side(cluster: DevCluster, scenarios: Scenarios, label: str, budget_s: float, capsys: Any) -> None:
+    """Each scenario in its own namespace and thread, all at once; every failure is reported (with
+    its job's status, Events and log tail), not only the first. Their waits overlap: on 2 cores a
+    scenario mostly waits on timeouts, schedulers and restarts, not on the CPU."""
+    views = {key: make_namespace(cluster, f"{label}-{key}-{uuid.uuid4().hex[:4]}") for key in scenarios}
+    results: dict[str, tuple[str, float, str]] = {}
+
+    def run(key: str) -> None:
+        started = time.monotonic()
+        try:
+            scenarios[key][0](views[key])
+            results[key] = ("passed", time.monotonic() - started, "")
+        except BaseException:
+            results[key] = ("FAILED", time.monotonic() - started, traceback.format_exc())
+
+    threads = [threading.Thread(target=run, args=(key,), name=key, daemon=True) for key in scenarios]
+    try:
+        for thread in threads:
+            thread.start()
+        deadline = time.monotonic() + budget_s
+        for thread in threads:
+            thread.join(max(0.0, deadline - time.monotonic()))
+    finally:
+        summary = {k: results.get(k, ("TIMED OUT", float("nan"), "")) for k in scenarios}
+        with capsys.disabled():
+            for key, (outcome, seconds, _) in summary.items():
+                print(f"\n{label}: {key:16} {outcome:9} {seconds:6.1f}s")
+        failed = {k: v for k, v in summary.items() if v[0] != "passed"}
+        details = []
+        for key, (outcome, _, trace) in failed.items():
+            view, job = views[key], scenarios[key][1]
+            try:
+                final = json.dumps(view.status(job), indent=1) if view.exists(job) else "(no TrainingJob)"
+                events = "\n".join(f"{r}: {m}" for r, m in view.event_records(job))
+            except Exception as error:  # the report must not hide the failure it reports
+                final, events = repr(error), ""
+            details.append(
+                f"== {key}: {outcome}\n{trace}\nstatus: {final}\nevents:\n{events}\n{view.logs_tail(job, 25)}"
+            )
+        for view in views.values():
+            view.core.delete_namespace(view.namespace)
+    assert not failed, "\n".join(details)
 
 
 @pytest.fixture

@@ -1,4 +1,6 @@
-"""Failure kinds on 1-host slices (v5e 2x2): what the operator concludes and does for each."""
+"""Failure kinds on 1-host slices (v5e 2x2): what the operator concludes and does for each. The five
+jobs run side by side, each in its own namespace (the devcluster has seven v5e pools: one each, and
+spares for the restarts)."""
 
 from __future__ import annotations
 
@@ -6,10 +8,11 @@ import signal
 import time
 from typing import Any
 
+import pytest
 from kubernetes import client
 from tpujob_devcluster.harness import lose_node
 
-from .conftest import E2E
+from .conftest import E2E, Scenarios, run_side_by_side
 
 V5E: dict[str, Any] = {"accelerator": "tpu-v5-lite-podslice", "topology": "2x2", "slices": 1}
 
@@ -20,7 +23,7 @@ def _training(e2e: E2E, name: str) -> str:
     return e2e.running_pod(f"{name}-a0-slice-0-0")
 
 
-def test_process_exiting_non_zero_spends_the_budget_then_fails(e2e):
+def process_exiting_non_zero_spends_the_budget_then_fails(e2e: E2E) -> None:
     e2e.apply("badcfg", 10, extra_args=["--model", "no-such-model"], restart={"maxRestarts": 1}, **V5E)
     status = e2e.wait("badcfg", lambda s: s.get("phase") == "Failed", 240, "phase Failed")
     assert status["restarts"] == 1 and status["countedRestarts"] == 1
@@ -29,7 +32,7 @@ def test_process_exiting_non_zero_spends_the_budget_then_fails(e2e):
     assert failed["reason"] == "RestartBudgetExhausted" and "1/1" in failed["message"]
 
 
-def test_killed_process_is_restarted_and_counted(e2e):
+def killed_process_is_restarted_and_counted(e2e: E2E) -> None:
     e2e.apply("killed", 1500, **V5E)
     e2e.signal_pod(_training(e2e, "killed"), signal.SIGKILL)
     status = e2e.wait("killed", lambda s: s.get("phase") == "Succeeded", 300, "Succeeded")
@@ -37,7 +40,7 @@ def test_killed_process_is_restarted_and_counted(e2e):
     assert status["lastFailure"]["reason"] == "ExitCode137"
 
 
-def test_preemption_checkpoints_the_current_step_and_is_not_counted(e2e):
+def preemption_checkpoints_the_current_step_and_is_not_counted(e2e: E2E) -> None:
     e2e.apply("preempted", 1500, restart={"maxRestarts": 0}, **V5E)
     pod = _training(e2e, "preempted")
     # Eviction is how GKE drains a node for maintenance: DisruptionTarget, then SIGTERM with grace.
@@ -52,7 +55,7 @@ def test_preemption_checkpoints_the_current_step_and_is_not_counted(e2e):
     assert failure["resumeStep"] >= failure["step"] and failure["lostSteps"] == 0
 
 
-def test_lost_node_is_restarted_on_another_pool(e2e):
+def lost_node_is_restarted_on_another_pool(e2e: E2E) -> None:
     e2e.apply("nodelost", 1500, **V5E)
     node = lose_node(e2e.core, e2e.namespace, _training(e2e, "nodelost"))
     try:
@@ -63,7 +66,7 @@ def test_lost_node_is_restarted_on_another_pool(e2e):
         node.restore(e2e.core)
 
 
-def test_hung_process_is_restarted_after_the_hang_timeout(e2e):
+def hung_process_is_restarted_after_the_hang_timeout(e2e: E2E) -> None:
     e2e.apply("hung", 1500, restart={"hangTimeoutSeconds": 45}, **V5E)
     pod = _training(e2e, "hung")
     stopped_at = time.monotonic()
@@ -73,3 +76,18 @@ def test_hung_process_is_restarted_after_the_hang_timeout(e2e):
     assert time.monotonic() - stopped_at >= 40
     status = e2e.wait("hung", lambda s: s.get("phase") == "Succeeded", 300, "Succeeded")
     assert status["restarts"] == 1
+
+
+SCENARIOS: Scenarios = {
+    "exit-code": (process_exiting_non_zero_spends_the_budget_then_fails, "badcfg"),
+    "killed": (killed_process_is_restarted_and_counted, "killed"),
+    "preempted": (preemption_checkpoints_the_current_step_and_is_not_counted, "preempted"),
+    "node-lost": (lost_node_is_restarted_on_another_pool, "nodelost"),
+    "hung": (hung_process_is_restarted_after_the_hang_timeout, "hung"),
+}
+
+
+@pytest.mark.timeout(600)
+def test_failure_kinds_side_by_side(devcluster, capsys):
+    """Each failure kind in its own namespace and thread; every failure is reported, not only the first."""
+    run_side_by_side(devcluster, SCENARIOS, "fk", 540, capsys)

@@ -14,8 +14,6 @@ import os
 import signal
 import threading
 import time
-import traceback
-import uuid
 from collections.abc import Callable
 from typing import Any
 
@@ -25,7 +23,7 @@ from tpujob_devcluster.cluster import BUCKET
 from tpujob_devcluster.harness import OPERATOR_NAMESPACE, signal_pod
 from tpujob_devcluster.pools import Pool, node_manifests
 
-from .conftest import E2E, make_namespace
+from .conftest import E2E, Scenarios, run_side_by_side
 
 V5E: dict[str, Any] = {"accelerator": "tpu-v5-lite-podslice", "topology": "2x2", "slices": 1}
 STORAGE = "CheckpointStorageReachable"
@@ -476,8 +474,7 @@ def scenario_busy_pool(e2e: E2E) -> None:
         e2e.core.delete_node(node["metadata"]["name"])
 
 
-# name -> (the scenario, the TrainingJob it runs)
-SCENARIOS: dict[str, tuple[Callable[[E2E], None], str]] = {
+SCENARIOS: Scenarios = {
     "long-scheduling": (scenario_long_scheduling, "capacity"),
     "suspend": (scenario_suspend_across_hang_timeout, "pause"),
     "recreate": (scenario_same_name_recreation, "reborn"),
@@ -494,41 +491,4 @@ def test_fault_matrix_side_by_side(devcluster, capsys):
     # FAULT_MATRIX_ONLY=busy-pool,quota runs only those (a developer's loop; CI runs them all).
     only = [k for k in os.environ.get("FAULT_MATRIX_ONLY", "").split(",") if k]
     scenarios = {k: v for k, v in SCENARIOS.items() if not only or k in only}
-    views = {key: make_namespace(devcluster, f"fm-{key}-{uuid.uuid4().hex[:4]}") for key in scenarios}
-    results: dict[str, tuple[str, float, str]] = {}
-
-    def run(key: str) -> None:
-        started = time.monotonic()
-        try:
-            scenarios[key][0](views[key])
-            results[key] = ("passed", time.monotonic() - started, "")
-        except BaseException:
-            results[key] = ("FAILED", time.monotonic() - started, traceback.format_exc())
-
-    threads = [threading.Thread(target=run, args=(key,), name=key, daemon=True) for key in scenarios]
-    try:
-        for thread in threads:
-            thread.start()
-        deadline = time.monotonic() + 840
-        for thread in threads:
-            thread.join(max(0.0, deadline - time.monotonic()))
-    finally:
-        summary = {k: results.get(k, ("TIMED OUT", float("nan"), "")) for k in scenarios}
-        with capsys.disabled():
-            for key, (outcome, seconds, _) in summary.items():
-                print(f"\nfault matrix: {key:16} {outcome:9} {seconds:6.1f}s")
-        failed = {k: v for k, v in summary.items() if v[0] != "passed"}
-        details = []
-        for key, (outcome, _, trace) in failed.items():
-            view, job = views[key], scenarios[key][1]
-            try:
-                final = json.dumps(view.status(job), indent=1) if view.exists(job) else "(no TrainingJob)"
-                events = "\n".join(f"{r}: {m}" for r, m in view.event_records(job))
-            except Exception as error:  # the report must not hide the failure it reports
-                final, events = repr(error), ""
-            details.append(
-                f"== {key}: {outcome}\n{trace}\nstatus: {final}\nevents:\n{events}\n{view.logs_tail(job, 25)}"
-            )
-        for view in views.values():
-            view.core.delete_namespace(view.namespace)
-    assert not failed, "\n".join(details)
+    run_side_by_side(devcluster, scenarios, "fm", 840, capsys)
