@@ -21,8 +21,9 @@ from the same baseline of steps with no save in flight; saves then begin):
 Policies: none, none_async (no per-step wait: what timing every step costs), continuous,
 continuous_min:<s>, fixed:<steps>, adaptive:<budget %> (budget bound alone) and
 adaptive_mtbf:<budget %> (also told --mtbf, as the operator does: Young/Daly can bind).
-Any policy plus `+local:<steps>` also saves to the local tier (tpujob_trainer.local_tier, on a
-tmpfs-like local directory) every <steps> steps, as the trainer does: compare
+Any policy plus `+local:<steps>[@<budget %>]` also saves to the local tier (tpujob_trainer.local_tier,
+on a tmpfs-like local directory) every <steps> steps at most, as the trainer does, within the overhead
+budget (default: spec.checkpoint.local.overheadBudgetPercent's; @0: every <steps> steps): compare
 `local_overhead_points` (seconds per step against the same policy without it, in points of the
 `none` run's step time) side by side, e.g. --policies none,continuous,continuous+local:10, and
 `local_blocked_points` (the loop's time blocked in local saves, in the same points: what a host whose
@@ -104,14 +105,19 @@ def _run_policy(args: argparse.Namespace, spec: str, root: Path, round_: int = 0
     spec, _, local_every = spec.partition("+local:")
     ckpt = _checkpoint_config(spec, args.mtbf)
     # A directory per round: a manager does not save a step at or below one its directory holds.
-    name = spec.replace(":", "-").replace(".", "_") + (f"-local{local_every}" if local_every else "") + f"-r{round_}"
+    local_name = f"-local{local_every.replace('@', '-b')}" if local_every else ""
+    name = spec.replace(":", "-").replace(".", "_") + local_name + f"-r{round_}"
     local = None
     if local_every:
         from tpujob_trainer.config import LocalTierConfig
         from tpujob_trainer.local_tier import LocalTier
 
         local_dir = Path(os.environ.get("TPUJOB_BENCH_LOCAL_DIR") or root.parent / "local") / name
-        local = LocalTier(LocalTierConfig(str(local_dir), int(local_every)), f"gs://{BUCKET}/{name}", "bench", 1)
+        every, _, budget = local_every.partition("@")
+        budget_percent = float(budget) if budget else contract.DEFAULT_LOCAL_OVERHEAD_BUDGET_PERCENT
+        local = LocalTier(
+            LocalTierConfig(str(local_dir), int(every), budget_percent), f"gs://{BUCKET}/{name}", "bench", 1
+        )
     local_blocked_s, local_saves = 0.0, 0
     mngr, cadence = None, None
     meter = SaveCostMeter()
@@ -169,7 +175,7 @@ def _run_policy(args: argparse.Namespace, spec: str, root: Path, round_: int = 0
     result = _summarise(spec, step_times, loop_s, starts, root / BUCKET / name / contract.CHECKPOINTS_DIR)
     if local:
         result |= {"policy": f"{spec}+local:{local_every}", "local_saves": local_saves,
-                   "local_blocked_s": local_blocked_s}  # fmt: skip
+                   "local_blocked_s": local_blocked_s, "local_interval_steps": local.interval_steps}  # fmt: skip
     if mngr:
         result |= {"overhead": meter.overhead, "save_cost_s": meter.cost_s, "extra_s": meter.extra_s}
     if cadence:
@@ -327,6 +333,7 @@ def _local_tier(results: list[dict[str, Any]]) -> dict[str, Any]:
             "blocked_points": blocked,
             "blocked_points_median": statistics.median(blocked) if blocked else None,
             "blocked_ms_per_save": [1000 * r["local_blocked_s"] / r["local_saves"] for r in runs if r["local_saves"]],
+            "interval_steps": [r["local_interval_steps"] for r in runs],
         }
     return out
 

@@ -555,7 +555,8 @@ def _rung_manifest(
         "directory": f"gs://{BUCKET}/bench", "policy": "interval", "intervalSteps": RUNG_GCS_INTERVAL,
     }  # fmt: skip
     if rung.local:
-        checkpoint["local"] = {"sizeLimit": "2Gi", "intervalSteps": RUNG_LOCAL_INTERVAL}
+        # A fixed interval (no budget): steps lost are then at most RUNG_LOCAL_INTERVAL, on any model.
+        checkpoint["local"] = {"sizeLimit": "2Gi", "intervalSteps": RUNG_LOCAL_INTERVAL, "overheadBudgetPercent": 0}
     restart: dict[str, Any] = {"maxRestarts": failures, "backoffSeconds": 0, "strategy": rung.strategy}
     if rung.strategy == "InPlace":  # every failure of the job in place: the ladder never climbs
         restart["inPlace"] = {"maxRestarts": failures}

@@ -26,7 +26,9 @@ def _apply_in_place(e2e: Any, name: str, gcs_interval: int) -> None:
             "directory": f"gs://{BUCKET}/e2e",
             "policy": "interval",
             "intervalSteps": gcs_interval,
-            "local": {"sizeLimit": "256Mi", "intervalSteps": LOCAL_INTERVAL},
+            # No budget: the tiny model's steps are shorter than a local save blocks, and this test
+            # needs the local tier every LOCAL_INTERVAL steps.
+            "local": {"sizeLimit": "256Mi", "intervalSteps": LOCAL_INTERVAL, "overheadBudgetPercent": 0},
         },
         **V5E_TWO_SLICES,
     )

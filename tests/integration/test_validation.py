@@ -93,6 +93,12 @@ INVALID = [
         {"sizeLimit": "1Gi", "intervalSteps": 0},
         "spec.checkpoint.local.intervalSteps",
     ),
+    (
+        "local budget over 100%",
+        "spec.checkpoint.local",
+        {"sizeLimit": "1Gi", "overheadBudgetPercent": 101},
+        "spec.checkpoint.local.overheadBudgetPercent",
+    ),
     # Issue 13: the adaptive policy's settings, only with that policy, within bounds.
     ("budget with continuous", "spec.checkpoint.overheadBudgetPercent", 5, "spec.checkpoint.overheadBudgetPercent"),
     ("max interval with continuous", "spec.checkpoint.maxIntervalSeconds", 60, "spec.checkpoint.maxIntervalSeconds"),

@@ -10,6 +10,7 @@ The truth: the progress record in the bucket, the processes' logs, the bytes of 
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import signal
 from pathlib import Path
@@ -30,8 +31,14 @@ ARGS = ["--steps", str(M), "--batch-size", "16", "--seq-len", "64"]
 GCS_EVERY_10 = {"TPUJOB_CHECKPOINT_POLICY": "interval", "TPUJOB_CHECKPOINT_INTERVAL_STEPS": "10"}
 
 
-def _local_env(directory: Path, every: int = 2) -> dict[str, str]:
-    return {contract.Env.LOCAL_CHECKPOINT_DIR: str(directory), contract.Env.LOCAL_CHECKPOINT_INTERVAL_STEPS: str(every)}
+def _local_env(directory: Path, every: int = 2, budget: str = "0") -> dict[str, str]:
+    """The local tier every `every` steps; no overhead budget unless given (these steps are so short
+    that a budget would stretch the interval, and these tests need the local tier ahead of GCS)."""
+    return {
+        contract.Env.LOCAL_CHECKPOINT_DIR: str(directory),
+        contract.Env.LOCAL_CHECKPOINT_INTERVAL_STEPS: str(every),
+        contract.Env.LOCAL_CHECKPOINT_OVERHEAD_BUDGET_PERCENT: budget,
+    }
 
 
 def local_steps(directory: Path) -> list[int]:
@@ -185,6 +192,35 @@ def _start_two(job: Job, dirs: list[Path]) -> Attempt:
     return job.start(ARGS, GCS_EVERY_10, processes=2, slices=1, process_env=lambda i: _local_env(dirs[i]))
 
 
+@pytest.mark.timeout(240)
+def test_two_processes_stretch_the_local_interval_alike_to_stay_within_the_budget(job: Job, tmp_path: Path) -> None:
+    """A budget of 0.1% of step time, far below what a local save blocks (tens of ms against steps of
+    tens of ms, or more on a loaded machine): at the third due save (step 6) both processes stretch
+    the interval from 2 steps to the same N, save nothing between, and hold the same steps."""
+    dirs = [tmp_path / "local-0", tmp_path / "local-1"]
+    attempt = job.start(
+        ARGS, GCS_EVERY_10, processes=2, slices=1, process_env=lambda i: _local_env(dirs[i], every=2, budget="0.1")
+    )
+    assert attempt.wait(180) == [0, 0], attempt.output(0) + attempt.output(1)
+    chosen = [re.findall(r"local tier: every (\d+) steps from step (\d+) ", attempt.output(i)) for i in (0, 1)]
+    assert chosen[0] == chosen[1] and chosen[0] and chosen[0][0][1] == "6", chosen  # the third due save
+    intervals = [int(every) for every, _ in chosen[0]]
+    assert all(every > 2 and every % 2 == 0 for every in intervals), intervals
+    held = [local_steps(d) for d in dirs]
+    assert held[0] == held[1] and held[0], held
+    assert all(s <= 6 or any(s % every == 0 for every in intervals) for s in held[0]), (intervals, held)
+
+
+def test_the_local_interval_is_the_smallest_multiple_within_the_budget() -> None:
+    assert local_tier.budgeted_interval(10, 0.030, 0.011, 2.0) == 140  # 30 ms per save: >= 1.5 s apart
+    assert local_tier.budgeted_interval(10, 0.030, 1.0, 2.0) == 10  # 1 s steps: 0.3% at the floor
+    assert local_tier.budgeted_interval(10, 0.200, 1.0, 2.0) == 10  # exactly 2%
+    assert local_tier.budgeted_interval(10, 0.201, 1.0, 2.0) == 20
+    assert local_tier.budgeted_interval(10, 0.030, 0.011, 0.0) == 10  # no budget
+    assert local_tier.budgeted_interval(10, 0.0, 0.011, 2.0) == 10  # nothing measured
+    assert local_tier.budgeted_interval(1, 100.0, 0.001, 2.0) == local_tier.MAX_STRETCH
+
+
 def test_the_agreed_step_is_the_newest_every_process_holds() -> None:
     assert local_tier.common_step([[4, 6], [4, 6]]) == 6
     assert local_tier.common_step([[4, 6], [4]]) == 4  # process 1 lost step 6: both restore 4
@@ -202,7 +238,14 @@ def test_the_local_tier_is_off_without_its_directory_and_its_interval_is_checked
     on = parse_config([], env | {contract.Env.LOCAL_CHECKPOINT_DIR: "/local/"})
     assert on.local_tier == LocalTierConfig("/local", contract.DEFAULT_LOCAL_INTERVAL_STEPS)
     assert parse_config([], {contract.Env.LOCAL_CHECKPOINT_DIR: "/local"}).local_tier is None  # no GCS tier
-    for bad in ({contract.Env.LOCAL_CHECKPOINT_INTERVAL_STEPS: "0"}, {contract.Env.LOCAL_CHECKPOINT_DIR: "gs://b/x"}):
+    budget = contract.Env.LOCAL_CHECKPOINT_OVERHEAD_BUDGET_PERCENT
+    assert on.local_tier.overhead_budget_percent == contract.DEFAULT_LOCAL_OVERHEAD_BUDGET_PERCENT == 2.0
+    off = parse_config([], env | {contract.Env.LOCAL_CHECKPOINT_DIR: "/local", budget: "0"}).local_tier
+    assert off is not None and off.overhead_budget_percent == 0
+    for bad in (
+        {contract.Env.LOCAL_CHECKPOINT_INTERVAL_STEPS: "0"}, {contract.Env.LOCAL_CHECKPOINT_DIR: "gs://b/x"},
+        {budget: "101"}, {budget: "-1"},
+    ):  # fmt: skip
         with pytest.raises(ConfigError):
             parse_config([], env | {contract.Env.LOCAL_CHECKPOINT_DIR: "/local"} | bad)
 

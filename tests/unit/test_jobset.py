@@ -219,6 +219,8 @@ def test_the_local_tier_is_a_memory_backed_volume_the_trainer_is_pointed_at():
     assert mount["name"] == volume["name"]
     assert env["TPUJOB_LOCAL_CHECKPOINT_DIR"] == mount["mountPath"]
     assert env["TPUJOB_LOCAL_CHECKPOINT_INTERVAL_STEPS"] == str(contract.DEFAULT_LOCAL_INTERVAL_STEPS)
+    budget = float(env[contract.Env.LOCAL_CHECKPOINT_OVERHEAD_BUDGET_PERCENT])
+    assert budget == contract.DEFAULT_LOCAL_OVERHEAD_BUDGET_PERCENT
     plain = build_jobset(training_job(), attempt=0, resume_step=None)
     plain_pod = plain["spec"]["replicatedJobs"][0]["template"]["spec"]["template"]["spec"]
     assert "volumes" not in plain_pod and "TPUJOB_LOCAL_CHECKPOINT_DIR" not in str(plain_pod)

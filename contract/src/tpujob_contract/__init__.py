@@ -57,10 +57,11 @@ class Env:
     # How long a process waits in JAX's distributed start-up for all its peers: as long as the
     # operator's scheduling and start-up clocks allow (0: for ever), so that those clocks decide
     DISTRIBUTED_INIT_TIMEOUT_SECONDS: Final = "TPUJOB_DISTRIBUTED_INIT_TIMEOUT_SECONDS"
-    # spec.checkpoint.local: the local tier's directory (an emptyDir's mountPath; absent: GCS alone) and
-    # the steps between its saves
+    # spec.checkpoint.local: the local tier's directory (an emptyDir's mountPath; absent: GCS alone),
+    # the steps between its saves, and the step time its saves may block (0: no budget)
     LOCAL_CHECKPOINT_DIR: Final = "TPUJOB_LOCAL_CHECKPOINT_DIR"
     LOCAL_CHECKPOINT_INTERVAL_STEPS: Final = "TPUJOB_LOCAL_CHECKPOINT_INTERVAL_STEPS"
+    LOCAL_CHECKPOINT_OVERHEAD_BUDGET_PERCENT: Final = "TPUJOB_LOCAL_CHECKPOINT_OVERHEAD_BUDGET_PERCENT"
 
     @classmethod
     def names(cls) -> tuple[str, ...]:
@@ -79,6 +80,7 @@ COMPILATION_CACHE_ENV: Final = "TPUJOB_COMPILATION_CACHE_DIR"
 # The trainer's local checkpoint tier (spec.checkpoint.local): its default interval and where the
 # operator mounts its memory-backed emptyDir (Env.LOCAL_CHECKPOINT_DIR points there).
 DEFAULT_LOCAL_INTERVAL_STEPS: Final = 10  # spec.checkpoint.local.intervalSteps' default
+DEFAULT_LOCAL_OVERHEAD_BUDGET_PERCENT: Final = 2.0  # spec.checkpoint.local.overheadBudgetPercent's default
 LOCAL_CHECKPOINT_MOUNT: Final = "/tpujob/local-checkpoints"  # where the operator mounts the emptyDir
 
 

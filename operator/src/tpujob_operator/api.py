@@ -463,7 +463,20 @@ class LocalCheckpointSpec(ApiModel):
         default=contract.DEFAULT_LOCAL_INTERVAL_STEPS,
         ge=1,
         le=MAX_STEPS,
-        description="Steps between local saves (each save starts when the last one finished, at most this often).",
+        description=(
+            "Steps between local saves at the most (each save starts when the last one finished); the trainer "
+            "saves every multiple of it that keeps the saves within overheadBudgetPercent."
+        ),
+    )
+    overhead_budget_percent: float = Field(
+        default=contract.DEFAULT_LOCAL_OVERHEAD_BUDGET_PERCENT,
+        ge=0,
+        le=100,
+        description=(
+            "Step time the local saves may block, in percent: after its first saves the trainer measures what a "
+            "save blocks and a step takes, and saves every smallest multiple of intervalSteps that stays within "
+            "it (every process alike). 0: every intervalSteps steps whatever it costs."
+        ),
     )
     size_limit: Quantity = Field(
         description=(

@@ -307,6 +307,7 @@ def _with_local_tier(local: LocalCheckpointSpec, container: dict[str, Any], pod_
         *container["env"],
         _env(contract.Env.LOCAL_CHECKPOINT_DIR, contract.LOCAL_CHECKPOINT_MOUNT),
         _env(contract.Env.LOCAL_CHECKPOINT_INTERVAL_STEPS, local.interval_steps),
+        _env(contract.Env.LOCAL_CHECKPOINT_OVERHEAD_BUDGET_PERCENT, local.overhead_budget_percent),
     ]
 
 

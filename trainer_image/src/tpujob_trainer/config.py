@@ -92,10 +92,12 @@ class CheckpointConfig:
 
 @dataclasses.dataclass(frozen=True)
 class LocalTierConfig:
-    """The local checkpoint tier (local_tier.py): where (an emptyDir's mountPath) and how often."""
+    """The local checkpoint tier (local_tier.py): where (an emptyDir's mountPath), how often at most,
+    and the share of step time its saves may block (the interval is stretched to stay within it)."""
 
     directory: str
     interval_steps: int
+    overhead_budget_percent: float = contract.DEFAULT_LOCAL_OVERHEAD_BUDGET_PERCENT
 
 
 def local_tier_config(env: Mapping[str, str]) -> LocalTierConfig | None:
@@ -106,7 +108,10 @@ def local_tier_config(env: Mapping[str, str]) -> LocalTierConfig | None:
     _require(not directory.startswith("gs://"), f"{contract.Env.LOCAL_CHECKPOINT_DIR}={directory!r}: a local path")
     interval = _int(env, contract.Env.LOCAL_CHECKPOINT_INTERVAL_STEPS, contract.DEFAULT_LOCAL_INTERVAL_STEPS)
     _require(interval >= 1, f"{contract.Env.LOCAL_CHECKPOINT_INTERVAL_STEPS} must be >= 1, got {interval}")
-    return LocalTierConfig(directory, interval)
+    budget_env = contract.Env.LOCAL_CHECKPOINT_OVERHEAD_BUDGET_PERCENT
+    budget = _float(env, budget_env, contract.DEFAULT_LOCAL_OVERHEAD_BUDGET_PERCENT)
+    _require(0 <= budget <= 100, f"{budget_env}={budget:g} must be in [0, 100]")
+    return LocalTierConfig(directory, interval, budget)
 
 
 # JAX's own default wait for every peer at start-up (jax.distributed.initialize): what a process

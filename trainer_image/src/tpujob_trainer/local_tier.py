@@ -20,7 +20,10 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import shutil
+import statistics
+import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -41,6 +44,20 @@ KEEP = 2  # committed local steps kept: the newest, and the one before while the
 IDENTITY_FILE = "tpujob-local-identity.json"
 STEPS_DIR = "checkpoints"
 _AGREE_SLOTS = 8  # newest committed local steps each process offers to the agreement
+# The due saves at which the interval is chosen again from what the saves so far blocked (the first
+# pays Orbax's warm-up, so it is measured only while it is the only one).
+RECHOOSE_AT_SAVES = (3, 10)
+MAX_STRETCH = 1000  # the interval is at most this many times intervalSteps
+
+
+def budgeted_interval(floor_steps: int, blocked_s: float, step_s: float, budget_percent: float) -> int:
+    """The smallest multiple of `floor_steps` at which a local save that blocks the loop `blocked_s`
+    costs at most `budget_percent` of the time the steps between two saves take (`step_s` each);
+    `floor_steps` itself with no budget (0) or nothing measured."""
+    if budget_percent <= 0 or blocked_s <= 0 or step_s <= 0:
+        return floor_steps
+    multiple = math.ceil(blocked_s / (budget_percent / 100 * floor_steps * step_s))
+    return floor_steps * min(max(multiple, 1), MAX_STRETCH)
 
 
 def identity(run_dir: str, job_uid: str, num_slices: int) -> dict[str, Any]:
@@ -123,7 +140,15 @@ class LocalTier:
             async_options=checkpointing.synchronous_directories(),
         )
         self.manager = ocp.CheckpointManager(steps, options=options, item_handlers=_handler(processes))
-        log.info("local tier: %s, every %d steps", steps, cfg.interval_steps)
+        # The interval in force: a multiple of cfg.interval_steps (the manager's own policy), the same on
+        # every process, re-chosen at the RECHOOSE_AT_SAVES-th due save.
+        self.interval_steps = cfg.interval_steps
+        self._due_saves = 0
+        self._blocked_s: list[float] = []
+        self._step_s: list[float] = []
+        self._last_save: tuple[int, float] | None = None  # (step, when its save returned)
+        budget = f"{cfg.overhead_budget_percent:g}% of step time" if cfg.overhead_budget_percent else "no budget"
+        log.info("local tier: %s, every %d steps at most (%s)", steps, cfg.interval_steps, budget)
 
     def committed_steps(self) -> list[int]:
         self.manager.reload()
@@ -131,11 +156,40 @@ class LocalTier:
 
     def save(self, step: int, state: Any) -> bool:
         """Start an async save if the interval says so (blocking only for the copy off the devices,
-        and for a previous local save still in flight)."""
+        and for a previous local save still in flight). Called at every step on every process."""
         # The interval first: Orbax's own decision costs a little Python on every step.
-        if step % self.cfg.interval_steps or not self.manager.should_save(step):
+        if step % self.interval_steps:
             return False
-        return bool(self.manager.save(step, args=ocp.args.PyTreeSave(state)))
+        self._due_saves += 1
+        if self.cfg.overhead_budget_percent and self._due_saves in RECHOOSE_AT_SAVES:
+            self._rechoose(step)
+            if step % self.interval_steps:
+                return False
+        if not self.manager.should_save(step):
+            return False
+        jax.block_until_ready(state)  # type: ignore[no-untyped-call]  # steps still computing: training time
+        started = time.monotonic()
+        saved = bool(self.manager.save(step, args=ocp.args.PyTreeSave(state)))
+        ended = time.monotonic()
+        if self._last_save is not None:
+            last_step, last_ended = self._last_save
+            self._step_s.append((started - last_ended) / (step - last_step))
+        self._blocked_s.append(ended - started)
+        self._last_save = (step, ended)
+        return saved
+
+    def _rechoose(self, step: int) -> None:
+        """The interval from the saves measured so far, agreed by every process (the longest proposed)."""
+        blocked_s = statistics.median(self._blocked_s[1:] or self._blocked_s or [0.0])
+        step_s = statistics.median(self._step_s or [0.0])
+        budget = self.cfg.overhead_budget_percent
+        agreed = agree_max(budgeted_interval(self.cfg.interval_steps, blocked_s, step_s, budget))
+        if agreed != self.interval_steps:
+            log.info(
+                "local tier: every %d steps from step %d (a save blocks %.0f ms, a step takes %.1f ms; budget %g%%)",
+                agreed, step, 1000 * blocked_s, 1000 * step_s, budget,
+            )  # fmt: skip
+        self.interval_steps = agreed
 
     def forget_after(self, step: int | None) -> None:
         """Remove this process's local steps newer than `step` (None: all): the attempt goes on from
@@ -173,6 +227,14 @@ def agree_common_step(mine: Sequence[int]) -> int | None:
     padded[: len(newest)] = newest
     gathered = np.asarray(multihost_utils.process_allgather(padded)).reshape(jax.process_count(), _AGREE_SLOTS)
     return common_step([[int(s) for s in row if s >= 0] for row in gathered])
+
+
+def agree_max(mine: int) -> int:
+    """The largest of every process's `mine` (a collective with >1 process)."""
+    if jax.process_count() == 1:
+        return mine
+    gathered = np.asarray(multihost_utils.process_allgather(np.array([mine], dtype=np.int64)))
+    return int(gathered.max())
 
 
 def choose_local(local_step: int | None, gcs_step: int | None, fresh: bool) -> bool:
