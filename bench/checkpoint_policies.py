@@ -118,7 +118,7 @@ def _run_policy(args: argparse.Namespace, spec: str, root: Path, round_: int = 0
         local = LocalTier(
             LocalTierConfig(str(local_dir), int(every), budget_percent), f"gs://{BUCKET}/{name}", "bench", 1
         )
-    local_blocked_s, local_saves = 0.0, 0
+    local_blocked_s, local_saves, gcs_blocked_s = 0.0, 0, 0.0
     mngr, cadence = None, None
     meter = SaveCostMeter()
     if ckpt is not None:
@@ -159,10 +159,12 @@ def _run_policy(args: argparse.Namespace, spec: str, root: Path, round_: int = 0
         called, blocked_from = time.time(), time.perf_counter()
         if mngr.save(step, args=ocp.args.StandardSave(state)):
             starts[step] = called
-            (cadence or meter).saved(time.perf_counter() - blocked_from)
+            blocked_s = time.perf_counter() - blocked_from
+            (cadence or meter).saved(blocked_s)
+            gcs_blocked_s += blocked_s
         if local:
             blocked_from = time.perf_counter()
-            if local.save(step, state):
+            if local.save(step, state, gcs_blocked_s):
                 local_saves += 1
                 local_blocked_s += time.perf_counter() - blocked_from
     float(loss.addressable_data(0))

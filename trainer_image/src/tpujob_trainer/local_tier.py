@@ -146,7 +146,7 @@ class LocalTier:
         self._due_saves = 0
         self._blocked_s: list[float] = []
         self._step_s: list[float] = []
-        self._last_save: tuple[int, float] | None = None  # (step, when its save returned)
+        self._last_save: tuple[int, float, float] | None = None  # (step, when it returned, blocked_elsewhere_s)
         budget = f"{cfg.overhead_budget_percent:g}% of step time" if cfg.overhead_budget_percent else "no budget"
         log.info("local tier: %s, every %d steps at most (%s)", steps, cfg.interval_steps, budget)
 
@@ -154,9 +154,10 @@ class LocalTier:
         self.manager.reload()
         return sorted(int(s) for s in self.manager.all_steps())
 
-    def save(self, step: int, state: Any) -> bool:
+    def save(self, step: int, state: Any, blocked_elsewhere_s: float = 0.0) -> bool:
         """Start an async save if the interval says so (blocking only for the copy off the devices,
-        and for a previous local save still in flight). Called at every step on every process."""
+        and for a previous local save still in flight). Called at every step on every process;
+        `blocked_elsewhere_s`: the loop's time blocked in GCS saves so far, which is not step time."""
         # The interval first: Orbax's own decision costs a little Python on every step.
         if step % self.interval_steps:
             return False
@@ -172,10 +173,11 @@ class LocalTier:
         saved = bool(self.manager.save(step, args=ocp.args.PyTreeSave(state)))
         ended = time.monotonic()
         if self._last_save is not None:
-            last_step, last_ended = self._last_save
-            self._step_s.append((started - last_ended) / (step - last_step))
+            last_step, last_ended, last_elsewhere_s = self._last_save
+            training_s = started - last_ended - (blocked_elsewhere_s - last_elsewhere_s)
+            self._step_s.append(training_s / (step - last_step))
         self._blocked_s.append(ended - started)
-        self._last_save = (step, ended)
+        self._last_save = (step, ended, blocked_elsewhere_s)
         return saved
 
     def _rechoose(self, step: int) -> None:

@@ -316,12 +316,12 @@ def _save(mngr: CheckpointManager, step: int, state: State, status: AttemptProgr
         return None
 
 
-def _save_local(local: LocalTier, step: int, state: State, status: AttemptProgress) -> None:
+def _save_local(local: LocalTier, step: int, state: State, status: AttemptProgress, gcs_blocked_s: float) -> None:
     """A local save at its interval, after the GCS tier's decision (which it never delays); one that
     fails is logged, and the GCS tier goes on as if there were none."""
     try:
         blocked_from = time.monotonic()
-        if local.save(step, state):
+        if local.save(step, state, gcs_blocked_s):
             status.save_blocked(time.monotonic() - blocked_from)
     except Exception as err:
         log.warning("local tier: save of step %d failed (%s); GCS saves go on", step, failures.short_error(err))
@@ -390,6 +390,7 @@ def _train(
     tc = cfg.train
     cadence = status.cadence
     pending_save: int | None = None
+    gcs_blocked_s = 0.0  # the loop's time blocked in GCS saves so far: not step time, for the local budget
     window_start, window_steps, last_publish = time.monotonic(), 0, float("-inf")
     timed_from: float | None = None  # adaptive: when the step being timed began (None: compiling)
     for step in range(status.step + 1, tc.steps + 1):
@@ -415,11 +416,11 @@ def _train(
                 cadence.step(time.monotonic() - timed_from, saving)
             blocked = _save(mngr, step, state, status)
             if blocked is not None:
-                pending_save = step
+                pending_save, gcs_blocked_s = step, gcs_blocked_s + blocked
                 if cadence:
                     cadence.saved(blocked)
             if local:
-                _save_local(local, step, state, status)
+                _save_local(local, step, state, status, gcs_blocked_s)
         if notice.reached(step):
             if mngr:
                 saved = cfg.checkpoint is not None and cfg.checkpoint.save_on_preemption
