@@ -73,10 +73,9 @@ lint: venv tools prometheus checkov-venv docs-venv
 	  CKV_SKIP_PACKAGE_UPDATE_CHECK=TRUE "$$(devcluster/checkov_venv.sh)" --config-file .checkov.yaml \
 	  -d "$$rendered" --framework kubernetes --skip-download --quiet --compact
 
-# The e2e tier runs beside the others (tests/run_tiers.sh says why); one tier alone: test-unit,
-# test-integration, test-trainer, test-e2e.
+# One tier alone: test-unit, test-integration, test-trainer, test-e2e.
 test: setup lint maxtext-venv
-	tests/run_tiers.sh $(PY) $(PYTEST_ARGS)
+	$(PY) -m pytest $(PYTEST_ARGS)
 
 test-unit: venv
 	$(PY) -m pytest tests/unit $(PYTEST_ARGS)

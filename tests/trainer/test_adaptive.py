@@ -25,14 +25,14 @@ def _adaptive(job: Job, env: dict[str, str]) -> dict[str, object]:
     attempt = job.start(
         WORKLOAD, {"TPUJOB_CHECKPOINT_POLICY": "adaptive", "TPUJOB_CHECKPOINT_KEEP_LATEST": "100000", **env}
     )
-    assert attempt.wait(150) == [0], attempt.output()
+    assert attempt.wait(240) == [0], attempt.output()  # 56 s on an idle 2-core machine
     record = job.progress()
     assert record["state"] == "succeeded" and record["step"] == 1200
     return record
 
 
 @pytest.mark.trainer
-@pytest.mark.timeout(360)
+@pytest.mark.timeout(600)
 def test_adaptive_stays_within_its_budget_where_back_to_back_saves_cost_over_20_percent(
     job: Job, gcs: FakeGcsServer, trainer_env: dict[str, str], tmp_path: Path, run_name: str
 ) -> None:
