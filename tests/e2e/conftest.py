@@ -97,35 +97,30 @@ class E2E:
         body: Any = self.custom.get_namespaced_custom_object(api.GROUP, api.VERSION, self.namespace, api.PLURAL, name)
         return body.get("status") or {}
 
-    def wait(self, name: str, predicate: Callable[[dict[str, Any]], bool], timeout: float, what: str) -> dict[str, Any]:
-        deadline = time.monotonic() + timeout
+    def wait(
+        self,
+        name: str,
+        predicate: Callable[[dict[str, Any]], bool],
+        timeout: float,
+        what: str,
+        cap: float | None = None,
+    ) -> dict[str, Any]:
+        """The job's status once `predicate` holds, within `timeout`. With `cap`, `timeout` counts from
+        the last new step, at most `cap` in all: a loaded machine trains slower, and only a job that
+        stops moving has failed."""
+        started = time.monotonic()
+        deadline = started + timeout
         status: dict[str, Any] = {}
+        best = -1
         while time.monotonic() < deadline:
             status = self.status(name)
             if predicate(status):
                 return status
             if status.get("phase") == "Failed" and "Failed" not in what:
                 break
-            time.sleep(0.5)
-        raise AssertionError(f"{name}: waiting for {what}; last status {status}\n{self.logs_tail(name)}")
-
-    def wait_progressing(
-        self, name: str, predicate: Callable[[dict[str, Any]], bool], stall: float, cap: float, what: str
-    ) -> dict[str, Any]:
-        """`wait`, but the deadline is `stall` seconds after the step last advanced (at most `cap` in
-        all): a loaded machine trains slower, and only a job that stops moving is a failure."""
-        started = time.monotonic()
-        deadline = started + stall
-        status: dict[str, Any] = {}
-        best = -1
-        while time.monotonic() < min(deadline, started + cap):
-            status = self.status(name)
-            if predicate(status):
-                return status
-            if status.get("phase") == "Failed" and "Failed" not in what:
-                break
-            if (status.get("step") or 0) > best:
-                best, deadline = status.get("step") or 0, time.monotonic() + stall
+            if cap is not None and (status.get("step") or 0) > best:
+                best = status.get("step") or 0
+                deadline = min(time.monotonic() + timeout, started + cap)
             time.sleep(0.5)
         raise AssertionError(f"{name}: waiting for {what}; last status {status}\n{self.logs_tail(name)}")
 

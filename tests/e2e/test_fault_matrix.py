@@ -52,7 +52,7 @@ def _training(e2e: E2E, name: str, committed: bool = True, timeout: float = 300)
 
 def _succeeded(e2e: E2E, name: str, steps: int, timeout: float = 420) -> dict[str, Any]:
     """Succeeded at `steps`; `timeout` bounds a stall (no new step), twice it the whole wait."""
-    status = e2e.wait_progressing(name, lambda s: s.get("phase") == "Succeeded", timeout, 2 * timeout, "Succeeded")
+    status = e2e.wait(name, lambda s: s.get("phase") == "Succeeded", timeout, "Succeeded", cap=2 * timeout)
     assert status["step"] == steps, status
     assert steps in e2e.committed_steps(name), f"final step {steps} not committed: {e2e.committed_steps(name)}"
     return status

@@ -273,11 +273,16 @@ _VERDICTS = {Kind.MISMATCH: _Verdict.MISMATCH, Kind.DAMAGED: _Verdict.DAMAGED, K
              Kind.DENIED: _Verdict.DENIED}  # fmt: skip
 
 
+def agree_max(mine: int) -> int:
+    """The largest of every process's `mine`, an int32 (a collective when there is more than one)."""
+    if jax.process_count() == 1:
+        return mine
+    return int(np.max(multihost_utils.process_allgather(np.int32(mine))))
+
+
 def _agree(verdict: _Verdict) -> _Verdict:
     """Every process must take the same branch (restore is collective): the worst verdict wins."""
-    if jax.process_count() == 1:
-        return verdict
-    return _Verdict(int(np.max(multihost_utils.process_allgather(np.int32(verdict)))))
+    return _Verdict(agree_max(verdict))
 
 
 def agree_all(ok: bool) -> bool:

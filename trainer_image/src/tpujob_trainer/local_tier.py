@@ -48,6 +48,7 @@ _AGREE_SLOTS = 8  # newest committed local steps each process offers to the agre
 # pays Orbax's warm-up, so it is measured only while it is the only one).
 RECHOOSE_AT_SAVES = (3, 10)
 MAX_STRETCH = 1000  # the interval is at most this many times intervalSteps
+_MAX_INTERVAL = 2**31 - 1  # what the processes' agreement (an int32 allgather) carries: past any run's end
 
 
 def budgeted_interval(floor_steps: int, blocked_s: float, step_s: float, budget_percent: float) -> int:
@@ -57,7 +58,7 @@ def budgeted_interval(floor_steps: int, blocked_s: float, step_s: float, budget_
     if budget_percent <= 0 or blocked_s <= 0 or step_s <= 0:
         return floor_steps
     multiple = math.ceil(blocked_s / (budget_percent / 100 * floor_steps * step_s))
-    return floor_steps * min(max(multiple, 1), MAX_STRETCH)
+    return min(floor_steps * min(max(multiple, 1), MAX_STRETCH), _MAX_INTERVAL)
 
 
 def identity(run_dir: str, job_uid: str, num_slices: int) -> dict[str, Any]:
@@ -168,6 +169,8 @@ class LocalTier:
                 return False
         if not self.manager.should_save(step):
             return False
+        if not (self.cfg.overhead_budget_percent and self._due_saves < RECHOOSE_AT_SAVES[-1]):
+            return bool(self.manager.save(step, args=ocp.args.PyTreeSave(state)))  # nothing left to measure for
         jax.block_until_ready(state)  # type: ignore[no-untyped-call]  # steps still computing: training time
         started = time.monotonic()
         saved = bool(self.manager.save(step, args=ocp.args.PyTreeSave(state)))
@@ -185,7 +188,7 @@ class LocalTier:
         blocked_s = statistics.median(self._blocked_s[1:] or self._blocked_s or [0.0])
         step_s = statistics.median(self._step_s or [0.0])
         budget = self.cfg.overhead_budget_percent
-        agreed = agree_max(budgeted_interval(self.cfg.interval_steps, blocked_s, step_s, budget))
+        agreed = checkpointing.agree_max(budgeted_interval(self.cfg.interval_steps, blocked_s, step_s, budget))
         if agreed != self.interval_steps:
             log.info(
                 "local tier: every %d steps from step %d (a save blocks %.0f ms, a step takes %.1f ms; budget %g%%)",
@@ -229,14 +232,6 @@ def agree_common_step(mine: Sequence[int]) -> int | None:
     padded[: len(newest)] = newest
     gathered = np.asarray(multihost_utils.process_allgather(padded)).reshape(jax.process_count(), _AGREE_SLOTS)
     return common_step([[int(s) for s in row if s >= 0] for row in gathered])
-
-
-def agree_max(mine: int) -> int:
-    """The largest of every process's `mine` (a collective with >1 process)."""
-    if jax.process_count() == 1:
-        return mine
-    gathered = np.asarray(multihost_utils.process_allgather(np.array([mine], dtype=np.int64)))
-    return int(gathered.max())
 
 
 def choose_local(local_step: int | None, gcs_step: int | None, fresh: bool) -> bool:
