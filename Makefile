@@ -62,6 +62,8 @@ lint: venv tools prometheus checkov-venv docs-venv
 	$(PY) -m tpujob_operator.crd --check
 	$(PY) -m tpujob_operator.apidocs --check
 	$(VENV)/bin/hadolint Dockerfile trainer_image/Dockerfile
+	unformatted="$$(gofmt -l trainer_image/init)" && test -z "$$unformatted" || { echo "gofmt: $$unformatted"; exit 1; }
+	cd trainer_image/init && go vet ./...
 	rendered="$$(mktemp -d)" && trap 'rm -rf "$$rendered"' EXIT && helm="$$(devcluster/tools.sh)/helm" && \
 	NO_MKDOCS_2_WARNING=1 "$$(devcluster/docs_venv.sh)/mkdocs" build --strict --site-dir "$$rendered/site" && rm -rf "$$rendered/site" && \
 	"$$helm" template tpujob charts/tpujob -n tpujob-system > "$$rendered/default.yaml" && \

@@ -3,6 +3,8 @@
 #   devcluster/build.sh            -> prints the bin directory on stdout (last line)
 # Components: etcd, kube-apiserver, kube-controller-manager, kube-scheduler, jobset controller, kwok,
 # JobSet's in-place-restart agent (agent/: a folder of its own, so it can go on a pod's PATH alone),
+# the worker's PID 1 in front of it (tpujob-init, from this repository: built every time into
+# INIT_DIR, controlplane.IMAGE_BIN_DIR, since its source is not versioned like the others),
 # and Kueue (optional in the devcluster, built all the same so a clean clone has everything).
 # Versions are pinned here; the cache key is the version set, so a bump rebuilds into a new folder.
 # Kueue has its own versioned folder (a bump rebuilds only Kueue), linked from the bin folder as
@@ -14,7 +16,9 @@ ETCD_VERSION="${ETCD_VERSION:-v3.6.5}"
 JOBSET_VERSION="${JOBSET_VERSION:-v0.11.0}"
 KWOK_VERSION="${KWOK_VERSION:-v0.7.0}"
 KUEUE_VERSION="${KUEUE_VERSION:-v0.17.0}"
-COMPONENTS="${COMPONENTS:-etcd kube-apiserver kube-controller-manager kube-scheduler jobset agent kwok kueue}"
+COMPONENTS="${COMPONENTS:-etcd kube-apiserver kube-controller-manager kube-scheduler jobset agent init kwok kueue}"
+REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+INIT_DIR="${INIT_DIR:-$REPO/build/image-bin}"
 
 CACHE_ROOT="${TPUJOB_CACHE:-$HOME/.cache/tpujob}"
 KEY="k8s-${K8S_VERSION}_etcd-${ETCD_VERSION}_jobset-${JOBSET_VERSION}_kwok-${KWOK_VERSION}"
@@ -159,8 +163,19 @@ build_kueue() {
   ln -sfn "$KUEUE_BIN" "$BIN/kueue"
 }
 
+# tpujob-init (trainer_image/init): Go's build cache makes an unchanged source a no-op.
+build_init() {
+  mkdir -p "$INIT_DIR"
+  (cd "$REPO/trainer_image/init" && go build -trimpath -ldflags "-s -w" -o "$INIT_DIR/tpujob-init.tmp" .)
+  mv "$INIT_DIR/tpujob-init.tmp" "$INIT_DIR/tpujob-init"
+}
+
 for c in $COMPONENTS; do
-  if [ "$c" = kueue ]; then build_kueue; else build_one "$c"; fi
+  case "$c" in
+    kueue) build_kueue ;;
+    init) build_init ;;
+    *) build_one "$c" ;;
+  esac
 done
 # The JobSet CRD and webhook configurations ship in the JobSet module: copy them next to the binaries.
 if [ ! -f "$BIN/jobset-crd.yaml" ] || [ ! -f "$BIN/jobset-webhooks.yaml" ]; then

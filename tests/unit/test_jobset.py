@@ -7,6 +7,8 @@ import re
 import shlex
 import signal
 import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -15,7 +17,14 @@ import yaml
 from pydantic import ValidationError
 from tpujob_contract import ExitCode
 from tpujob_operator import frameworks
-from tpujob_operator.jobset import IN_PLACE_AGENT, build_jobset, coordinator_host, jobset_name, worker_command
+from tpujob_operator.jobset import (
+    IN_PLACE_AGENT,
+    WORKER_INIT,
+    build_jobset,
+    coordinator_host,
+    jobset_name,
+    worker_command,
+)
 from tpujob_operator.tpu import slice_shape
 
 from .factories import training_job
@@ -185,8 +194,9 @@ def test_in_place_wraps_the_images_entrypoint_in_jobsets_agent(framework):
     worker, plain = _worker(in_place), _worker(recreate)
     env = {e["name"]: e.get("value") for e in worker["env"]}
     entrypoint = {"tpujob": ["tpujob-train"], "maxtext": ["python3", "-m", "maxtext.trainers.pre_train.train"]}
-    assert env["WORKER_COMMAND"] == shlex.join([*entrypoint[framework], *plain.get("args", [])]) + "; exit $?"
-    assert worker["command"] == ["in-place-restart-agent"] and "args" not in worker
+    command = shlex.join([*entrypoint[framework], *plain.get("args", [])])
+    assert env["WORKER_COMMAND"] == f"trap : TERM INT; {command}; exit $?"
+    assert worker["command"] == ["tpujob-init", "in-place-restart-agent"] and "args" not in worker
     assert env["IN_PLACE_RESTART_EXIT_CODE"] == "86"
     # What the agent's worker sees: the same env as a Recreate attempt's worker, nothing left out.
     assert [e for e in worker["env"] if e["name"] in {p["name"] for p in plain["env"]}] == plain["env"]
@@ -240,6 +250,25 @@ def test_the_worker_command_exits_as_a_runtime_reports_its_worker(tmp_path, kill
     assert done.returncode == code
 
 
+def test_the_worker_command_waits_for_its_workers_sigterm_save(tmp_path):
+    """tpujob-init sends SIGTERM to every process but the agent: the shell among them outlives it, waits
+    for the worker's save, and exits with the worker's code."""
+    saver = "import signal,sys,time\ndef h(*_):\n time.sleep(0.5); open('saved','w'); sys.exit(143)\n"
+    saver += "signal.signal(signal.SIGTERM, h); open('ready','w'); time.sleep(60)"
+    shell = subprocess.Popen(["sh", "-c", worker_command([sys.executable, "-c", saver])], cwd=tmp_path)
+    deadline = time.monotonic() + 30
+    while not (tmp_path / "ready").exists():
+        assert time.monotonic() < deadline and shell.poll() is None
+        time.sleep(0.05)
+    for pid in [shell.pid, *_children(shell.pid)]:
+        os.kill(pid, signal.SIGTERM)
+    assert shell.wait(30) == 143 and (tmp_path / "saved").exists()
+
+
+def _children(pid: int) -> list[int]:
+    return [int(p) for p in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+
+
 def test_the_trainer_image_holds_the_agent_of_the_jobset_the_devcluster_runs():
     root = Path(__file__).parents[2]
     dockerfile = (root / "trainer_image" / "Dockerfile").read_text()
@@ -248,6 +277,7 @@ def test_the_trainer_image_holds_the_agent_of_the_jobset_the_devcluster_runs():
     )
     assert pinned is not None and f"ARG JOBSET_VERSION={pinned.group(1)}\n" in dockerfile
     assert f"/usr/local/bin/{IN_PLACE_AGENT}\n" in dockerfile  # on the image's PATH, as the builder names it
+    assert f"/usr/local/bin/{WORKER_INIT}\n" in dockerfile
 
 
 def test_the_restart_action_is_what_the_nodes_can_do():

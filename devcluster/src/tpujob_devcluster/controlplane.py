@@ -27,6 +27,8 @@ from .certs import PkiFiles, make_pki
 
 REPO_ROOT = Path(__file__).resolve().parents[3]
 BUILD_SCRIPT = REPO_ROOT / "devcluster" / "build.sh"
+# tpujob-init (trainer_image/init), which build.sh builds into its INIT_DIR, by default this folder.
+IMAGE_BIN_DIR = REPO_ROOT / "build" / "image-bin"
 TOOLS_SCRIPT = REPO_ROOT / "devcluster" / "tools.sh"
 PROMETHEUS_SCRIPT = REPO_ROOT / "devcluster" / "prometheus.sh"
 SERVICE_CIDR = "10.96.0.0/24"  # allocation range only: no traffic is ever sent to it
@@ -72,8 +74,10 @@ def _script_output_dir(script: Path, env: dict[str, str] | None = None) -> Path:
 
 
 def build_binaries(components: str | None = None) -> Path:
-    """Control-plane binaries from devcluster/build.sh: etcd, kube-*, jobset, kwok."""
-    return _script_output_dir(BUILD_SCRIPT, {"COMPONENTS": components} if components else None)
+    """Control-plane binaries from devcluster/build.sh: etcd, kube-*, jobset, its agent, kwok, kueue; and
+    tpujob-init into IMAGE_BIN_DIR."""
+    env = {"INIT_DIR": str(IMAGE_BIN_DIR), **({"COMPONENTS": components} if components else {})}
+    return _script_output_dir(BUILD_SCRIPT, env)
 
 
 def tools_dir() -> Path:

@@ -58,6 +58,10 @@ CONTAINER_SECURITY_CONTEXT: dict[str, Any] = {"allowPrivilegeEscalation": False,
 # IN_PLACE_RESTART_EXIT_CODE when another pod's failure asks every worker to restart. The kubelet then
 # restarts the container on its node (container restartPolicyRules, Kubernetes' ContainerRestartRules).
 IN_PLACE_AGENT = "in-place-restart-agent"  # on the trainer image's PATH (docs/concepts/restart-ladder.md)
+# The container's PID 1 in front of the agent (trainer_image/init): the agent ends its worker at once on
+# SIGTERM; under tpujob-init the worker gets the SIGTERM instead, makes its save, and the agent exits with
+# the worker's code.
+WORKER_INIT = "tpujob-init"
 IN_PLACE_RESTART_EXIT_CODE = 86  # no trainer exit code (contract.ExitCode) and no 128+signal
 JOBSET_NAME_ANNOTATION = "jobset.sigs.k8s.io/jobset-name"  # the JobSet controller sets it on every pod
 IN_PLACE_RESTART_ATTEMPT_ANNOTATION = "jobset.sigs.k8s.io/in-place-restart-attempt"  # the agent sets it on its pod
@@ -314,8 +318,11 @@ def _with_local_tier(local: LocalCheckpointSpec, container: dict[str, Any], pod_
 def worker_command(argv: list[str]) -> str:
     """The agent's WORKER_COMMAND (run with `sh -c`). Not a simple command, which the shell would exec:
     the agent reports a worker killed by a signal as exit 255, the shell (waiting for it) as 128+N,
-    what a container runtime reports and restarts.py classifies."""
-    return f"{shlex.join(argv)}; exit $?"
+    what a container runtime reports and restarts.py classifies. The shell traps SIGTERM and SIGINT
+    (tpujob-init sends them to every process but the agent), so it waits for the worker's save and
+    exits with its code; the worker itself gets the signals' default handling (a trap with a command
+    is not inherited)."""
+    return f"trap : TERM INT; {shlex.join(argv)}; exit $?"
 
 
 def _in_place(
@@ -330,7 +337,7 @@ def _in_place(
     failurePolicy. JobSet fails the attempt when one in-place restart more than inPlace.maxRestarts is
     needed, and the operator then recreates it: the ladder's climb is JobSet's own count."""
     worker = [*(tj.spec.command or entrypoint), *container.pop("args", [])]
-    container["command"] = [IN_PLACE_AGENT]
+    container["command"] = [WORKER_INIT, IN_PLACE_AGENT]
     container["env"] = [
         *container["env"],
         {

@@ -1,0 +1,3 @@
+module tpujob.dev/trainer-init
+
+go 1.25
