@@ -24,7 +24,16 @@ import yaml
 from tpujob_contract import JOBSET_NAME_LABEL
 
 from .certs import issue_serving_cert
-from .controlplane import JOBSET_FEATURE_GATES, REPO_ROOT, Component, ControlPlane, build_binaries, free_port, http_ok
+from .controlplane import (
+    IMAGE_BIN_DIR,
+    JOBSET_FEATURE_GATES,
+    REPO_ROOT,
+    Component,
+    ControlPlane,
+    build_binaries,
+    free_port,
+    http_ok,
+)
 from .fakegcs import FakeGcsServer, start_fake_gcs
 from .kueue import Kueue
 from .podrunner import NODE_LABEL
@@ -228,7 +237,8 @@ class DevCluster:
                 f"--state-dir={self.state_dir}",
                 f"--images={IMAGES_FILE}",
                 f"--api-port={self.plane.api_port}",
-                f"--agent-dir={self.bin_dir / 'agent'}",
+                f"--image-bin-dir={self.bin_dir / 'agent'}",
+                f"--image-bin-dir={IMAGE_BIN_DIR}",
                 f"--logs-port={self.kubelet_port}",
                 f"--tls-cert={cert}",
                 f"--tls-key={key}",

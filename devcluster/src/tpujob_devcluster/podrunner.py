@@ -12,8 +12,9 @@ A pod bound to one of the devcluster's nodes runs as a local process:
   stays on loopback. Network namespaces would isolate more, but would need routes to reach the
   apiserver and the GCS emulator on the host's loopback;
 - status goes back to the API as kubelet reports it: Running with podIP, then Succeeded/Failed with
-  the real exit code (128+signal when killed); deleting the pod sends SIGTERM, then SIGKILL after
-  the grace period, as kubelet does;
+  the real exit code (128+signal when killed); deleting the pod sends SIGTERM to the container's
+  main process (its PID 1: what the runtime signals), then SIGKILL to all of it after the grace
+  period, as kubelet does;
 - restarts in place, as the 1.35 kubelet with ContainerRestartRules and
   RestartAllContainersOnContainerExits, for a pod with restartPolicy OnFailure or a container
   restartPolicy (restarts_in_place): a container that exits is started again in the same pod
@@ -27,8 +28,9 @@ A pod bound to one of the devcluster's nodes runs as a local process:
   tmpfs, sizeLimit its size, mounted outside the container's mount namespace) and are bind-mounted at
   their volumeMounts' mountPath (created when missing: there is no image filesystem to hold it), unless
   the host has files there (hides_the_host: the host's filesystem is every container's image);
-- PATH: the image's entries from the image table (`path`), the runner's PATH, then the directory of
-  JobSet's in-place-restart agent (--agent-dir), so `command: [in-place-restart-agent]` runs it;
+- PATH: the image's entries from the image table (`path`), the runner's PATH, then the folders of the
+  binaries every image is expected to hold (--image-bin-dir: JobSet's in-place-restart agent and
+  tpujob-init), so `command: [tpujob-init, in-place-restart-agent]` runs them;
 - securityContext (runAsNonRoot, runAsUser, capabilities, seccomp) is not applied: every process
   runs as the runner's user, since the project's interpreter is not readable by other users. The
   apiserver's PodSecurity admission is the real check of the pod spec (on by default);
@@ -525,13 +527,13 @@ class PodRunner:
         extra_env: dict[str, str],
         api_port: int,
         cpu_devices_per_pod: int,
-        agent_dir: Path | None = None,
+        image_bin_dirs: list[Path] | None = None,
     ) -> None:
         self.state_dir = state_dir
         self.cpu_devices_per_pod = cpu_devices_per_pod
         self.images = load_image_table(images)
         self.image_paths = load_image_paths(images)
-        self.agent_dir = agent_dir
+        self.image_bin_dirs = image_bin_dirs or []
         self.extra_env = extra_env
         self.api_port = api_port
         self.core = client.CoreV1Api()
@@ -591,8 +593,7 @@ class PodRunner:
                 devices = chips if self.cpu_devices_per_pod == 0 else min(chips, self.cpu_devices_per_pod)
                 extra.update(JAX_PLATFORMS="cpu", XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}")
             path = [*image_path(container["image"], self.image_paths, sys.executable), os.environ.get("PATH", "")]
-            if self.agent_dir is not None:
-                path.append(str(self.agent_dir))
+            path.extend(str(d) for d in self.image_bin_dirs)
             extra["PATH"] = ":".join(p for p in path if p)
             env = container_env(pod, container, extra)
             argv = expand_var_refs(argv, env)
@@ -792,7 +793,8 @@ class PodRunner:
             if running.finished:
                 self._finish_deletion(running, {"exitCode": running.process.returncode or 0, "reason": "Completed"})
                 return
-        self._signal(running, signal.SIGTERM)
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(running.process.pid, signal.SIGTERM)
 
         def escalate() -> None:
             try:
@@ -936,7 +938,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--images", type=Path, required=True)
     parser.add_argument("--api-port", type=int, required=True)
     parser.add_argument("--env", action="append", default=[], help="KEY=VALUE added to every pod")
-    parser.add_argument("--agent-dir", type=Path, help="JobSet's in-place-restart agent's folder, on every pod's PATH")
+    parser.add_argument(
+        "--image-bin-dir",
+        type=Path,
+        action="append",
+        default=[],
+        help="a folder of binaries every image holds (JobSet's agent, tpujob-init), on every pod's PATH",
+    )
     parser.add_argument("--interval", type=float, default=0.3)
     parser.add_argument(
         "--cpu-devices-per-pod",
@@ -953,7 +961,7 @@ def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     config.load_kube_config(args.kubeconfig)
     extra = dict(item.split("=", 1) for item in args.env)
-    runner = PodRunner(args.state_dir, args.images, extra, args.api_port, args.cpu_devices_per_pod, args.agent_dir)
+    runner = PodRunner(args.state_dir, args.images, extra, args.api_port, args.cpu_devices_per_pod, args.image_bin_dir)
     if args.logs_port:
         context = kubeletlogs.server_context(args.tls_cert, args.tls_key, args.client_ca)
         kubeletlogs.serve(args.state_dir / "pods", args.logs_port, context, runner.container_running, runner.stopping)
