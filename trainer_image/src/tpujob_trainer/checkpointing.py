@@ -202,12 +202,17 @@ class PreemptionNotice:
 
     Multi-process: JAX's preemption service (started by jax.distributed.initialize) catches
     SIGTERM and agrees on one sync step across all processes, so every host saves the same step.
+    It takes the step it was last given as this process's position and stops everyone one step past
+    the furthest: only the training loop may give it steps (`reached`, once per step, in order). Orbax's
+    managers ask too, from their finalize threads with the step of an older save, which would make
+    every process report a step it has passed and never reach the agreed one: they get `stops_at`.
     Single process: no coordination service exists, so a Python SIGTERM handler sets a flag.
     """
 
     def __init__(self, distributed: bool):
         self._distributed = distributed
         self._flag = threading.Event()
+        self._stop_step: int | None = None
         if not distributed:
             signal.signal(signal.SIGTERM, self._on_sigterm)
 
@@ -216,13 +221,21 @@ class PreemptionNotice:
         self._flag.set()
 
     def reached(self, step: int) -> bool:
+        """The training loop's question, once per step: whether to stop (and save) at `step`."""
         if self._distributed:
             try:
                 reached: bool = multihost_utils.reached_preemption_sync_point(step)
             except RuntimeError:  # the preemption service is disabled (jax_enable_preemption_service)
-                return False
-            return reached
-        return self._flag.is_set()
+                reached = False
+        else:
+            reached = self._flag.is_set()
+        if reached:
+            self._stop_step = step
+        return reached
+
+    def stops_at(self, step: int) -> bool:
+        """Whether the training loop stops at `step`, for anyone else (any thread, any step)."""
+        return self._stop_step == step
 
 
 class CheckpointManager(ocp.CheckpointManager):  # type: ignore[misc]  # orbax ships no type hints
@@ -234,8 +247,7 @@ class CheckpointManager(ocp.CheckpointManager):  # type: ignore[misc]  # orbax s
         super().__init__(directory, options=options)
 
     def reached_preemption(self, step: int) -> bool:
-        reached = self._notice.reached(step)
-        return reached
+        return self._notice.stops_at(step)
 
     def save(self, step: int, *args: Any, **kwargs: Any) -> bool:
         try:

@@ -106,6 +106,15 @@ def _handler(processes: set[int]) -> ocp.PyTreeCheckpointHandler:
     )
 
 
+class _LocalManager(ocp.CheckpointManager):  # type: ignore[misc]  # orbax ships no type hints
+    """Never asks JAX's preemption sync, which only the training loop may feed (checkpointing.PreemptionNotice);
+    the local tier makes no preemption save."""
+
+    def reached_preemption(self, step: int) -> bool:
+        del step
+        return False
+
+
 def _quiet_orbax(record: logging.LogRecord) -> bool:
     """Orbax warns twice per save without a primary host that it does not log object sizes: noise."""
     return not str(record.msg).startswith("Global object size logging disabled")
@@ -140,7 +149,7 @@ class LocalTier:
             enable_per_process_directory_creation=True,
             async_options=checkpointing.synchronous_directories(),
         )
-        self.manager = ocp.CheckpointManager(steps, options=options, item_handlers=_handler(processes))
+        self.manager = _LocalManager(steps, options=options, item_handlers=_handler(processes))
         # The interval in force: a multiple of cfg.interval_steps (the manager's own policy), the same on
         # every process, re-chosen at the RECHOOSE_AT_SAVES-th due save.
         self.interval_steps = cfg.interval_steps

@@ -405,6 +405,8 @@ def _train(
             jax.block_until_ready(loss)  # type: ignore[no-untyped-call]
             if status.record_so_far.first_step_at is None:
                 status.update(first_step_at=contract.now_rfc3339())
+        # Before any save: a save at the step JAX's preemption sync agrees on is the preemption save.
+        stopping = notice.reached(step)
         if mngr:
             saving = mngr.is_saving_in_progress()
             # Report a finished save before the policy may start the next one.
@@ -419,9 +421,9 @@ def _train(
                 pending_save, gcs_blocked_s = step, gcs_blocked_s + blocked
                 if cadence:
                     cadence.saved(blocked)
-            if local:
+            if local and not stopping:  # the signalled pod's memory volume goes with it
                 _save_local(local, step, state, status, gcs_blocked_s)
-        if notice.reached(step):
+        if stopping:
             if mngr:
                 saved = cfg.checkpoint is not None and cfg.checkpoint.save_on_preemption
                 saved = saved and _save_final(mngr, step, state, status)
