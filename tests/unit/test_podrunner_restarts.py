@@ -29,6 +29,7 @@ from tpujob_devcluster.podrunner import (
     quantity_bytes,
     restart_backoff,
     restarts_in_place,
+    terminal_phase,
 )
 
 RULES = [
@@ -90,6 +91,13 @@ def test_only_pods_with_a_restart_all_rule_carry_the_condition():
     assert could_restart_all({"initContainers": [{"restartPolicyRules": RULES[:1]}], "containers": [{}]})
     assert not could_restart_all({"containers": [{"restartPolicy": "Never", "restartPolicyRules": RULES[1:]}]})
     assert not could_restart_all({"containers": [{"name": "c"}]})
+
+
+@pytest.mark.parametrize(("exit_code", "phase"), [(0, "Succeeded"), (1, "Failed"), (143, "Failed"), (137, "Failed")])
+def test_a_pod_being_deleted_ends_succeeded_when_its_container_exited_0(exit_code, phase):
+    """kubelet_pods.go getPhase for a terminal pod: a worker that finished its last step while it was
+    being evicted is Succeeded (its Job completes), not Failed (JobSet would restart every worker)."""
+    assert terminal_phase(exit_code) == phase
 
 
 def test_crash_loop_backoff_is_immediate_then_10s_doubling_to_5_minutes():

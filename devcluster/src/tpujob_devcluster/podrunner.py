@@ -276,6 +276,12 @@ def container_status(
     return status
 
 
+def terminal_phase(exit_code: int) -> str:
+    """The phase of a pod whose container will not run again (it ended for good, or its pod is being
+    deleted): the kubelet's rule for a terminal pod, whatever its restartPolicy."""
+    return "Succeeded" if exit_code == 0 else "Failed"
+
+
 def pod_status(
     phase: str,
     container: dict[str, Any],
@@ -693,9 +699,7 @@ class PodRunner:
         if running.killed_for_deletion:
             self._finish_deletion(running, terminated)
             return
-        self._report(
-            pod, "Succeeded" if exit_code == 0 else "Failed", ip=running.ip, terminated=terminated, running=running
-        )
+        self._report(pod, terminal_phase(exit_code), ip=running.ip, terminated=terminated, running=running)
 
     def _restart(
         self,
@@ -773,8 +777,9 @@ class PodRunner:
 
     def _finish_deletion(self, running: RunningPod, terminated: dict[str, Any]) -> None:
         try:
+            phase = terminal_phase(terminated["exitCode"])
             self._patch_status(
-                running.namespace, running.name, "Failed", running.ip, terminated=terminated, running=running
+                running.namespace, running.name, phase, running.ip, terminated=terminated, running=running
             )
             self.core.delete_namespaced_pod(running.name, running.namespace, grace_period_seconds=0)
         except ApiException as error:
