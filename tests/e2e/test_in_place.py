@@ -8,6 +8,7 @@ import signal
 import time
 from typing import Any
 
+from kubernetes import client
 from tpujob_devcluster.cluster import BUCKET
 from tpujob_devcluster.harness import live_pod_uids, lose_node, trainer_pid
 
@@ -102,3 +103,25 @@ def test_a_lost_node_replaces_only_its_pod_and_the_rest_restart_in_place(e2e):
         assert record is not None and record.restored_from == "gcs", record
     finally:
         node.restore(e2e.core)
+
+
+def test_an_evicted_worker_saves_its_step_on_sigterm_and_the_job_loses_nothing(e2e):
+    """A drain or a preemption: SIGTERM reaches the trainer under JobSet's agent (through tpujob-init),
+    which saves the step it is at to GCS, where its replacement pod restores it from. Evicted early
+    (the job ends before the eviction otherwise), most often before GCS's first periodic save."""
+    _apply_in_place(e2e, "inplaceevict", GCS_INTERVAL)
+    e2e.wait("inplaceevict", lambda s: s.get("phase") == "Running" and (s.get("step") or 0) >= 20, 300, "training")
+    evicted = e2e.running_pod("inplaceevict-a0-slice-1-0")
+    e2e.core.create_namespaced_pod_eviction(
+        evicted, e2e.namespace, client.V1Eviction(metadata=client.V1ObjectMeta(name=evicted, namespace=e2e.namespace))
+    )
+    status = e2e.wait("inplaceevict", lambda s: s.get("phase") == "Succeeded", 300, "Succeeded")
+    assert "lastFailure" in status, f"the job ended before the eviction took effect: {status}"
+    failure = status["lastFailure"]
+    assert (failure["rung"], failure["kind"], failure["counted"]) == ("InPlace", "Preemption", False), failure
+    assert (status["countedRestarts"], status["attempt"]) == (0, 0), status
+    # The SIGTERM save covered the step training was at: nothing it had reported was lost.
+    assert failure["resumeStep"] >= failure["step"] and failure["lostSteps"] == 0, failure
+    # The replacement pod's memory volume is new: every process restored the SIGTERM save from GCS.
+    record = e2e.progress("inplaceevict")
+    assert record is not None and record.restored_from == "gcs", record
