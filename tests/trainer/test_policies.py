@@ -148,7 +148,10 @@ def test_sigterm_sets_the_single_process_preemption_flag() -> None:
     assert not notice.reached(3)
     os.kill(os.getpid(), signal.SIGTERM)
     time.sleep(0.05)
+    assert not notice.stops_at(4)  # only the training loop's question decides the step
     assert notice.reached(4)
+    # What Orbax's manager is told (CheckpointManager.reached_preemption), from any thread: that step alone.
+    assert notice.stops_at(4) and not notice.stops_at(3) and not notice.stops_at(5)
 
 
 @pytest.mark.parametrize(
