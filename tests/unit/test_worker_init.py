@@ -21,6 +21,7 @@ STAND_IN_AGENT = """
 import os, signal, subprocess, sys, time
 if os.environ.get("BARRIER_SECONDS"):
     signal.signal(signal.SIGTERM, lambda *_: (open("agent-signalled", "w"), sys.exit(143)))
+    open("at-barrier", "w")
     time.sleep(float(os.environ["BARRIER_SECONDS"]))
 shell = subprocess.Popen(["/bin/sh", "-c", os.environ["WORKER_COMMAND"]])
 def stop(signum, _frame):
@@ -82,7 +83,7 @@ def test_sigterm_reaches_the_worker_not_the_agent_and_the_save_completes(init, t
 def test_sigterm_with_no_worker_running_stops_the_agent_at_once(init, tmp_path):
     """The agent waiting at JobSet's barrier: nothing to save, so the pod need not wait out its grace."""
     process = _start(init, tmp_path, ["true"], BARRIER_SECONDS="60")
-    time.sleep(1.0)
+    _wait_for(tmp_path / "at-barrier", process)
     started = time.monotonic()
     process.terminate()
     assert process.wait(30) == 143 and time.monotonic() - started < 10

@@ -421,7 +421,8 @@ def _train(
                 pending_save, gcs_blocked_s = step, gcs_blocked_s + blocked
                 if cadence:
                     cadence.saved(blocked)
-            if local and not stopping:  # the signalled pod's memory volume goes with it
+            # Not at the stop step: the signalled pod leaves with its memory volume, so no process restores it.
+            if local and not stopping:
                 _save_local(local, step, state, status, gcs_blocked_s)
         if stopping:
             if mngr:
