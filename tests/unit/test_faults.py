@@ -444,3 +444,23 @@ def test_a_failed_jobset_under_spec_suspend_is_suspended_and_announced_once():
     later = training_job(suspend=True, status=status.model_dump(by_alias=True, exclude_none=True))
     status, actions = reconcile(later, Observed(now=T0 + timedelta(seconds=60), jobsets=(suspended,)))
     assert status.phase == "Suspended" and actions.set_suspend is None and actions.events == []
+
+
+def test_a_recreated_attempt_that_restored_a_step_committed_after_the_decision_records_it():
+    # The failed attempt's last save committed after the restart was decided and its JobSet created:
+    # the pin means that step or a newer one, so the new attempt restored 61, not the decided 31.
+    pods = (_scheduled(phase="Failed", exit_code=137, finished_at=T0),)
+    failed = Observed(now=T0, jobsets=(_jobset(pods=pods),), progress=_progress(step=65), latest_committed_step=31)
+    decided, _ = reconcile(_running(), failed)
+    assert (decided.attempt, decided.last_failure.resume_step) == (1, 31)
+    assert (decided.last_failure.lost_steps, decided.lost_steps) == (34, 34)
+    later = T0 + timedelta(seconds=30)
+    restarted = training_job(status=decided.model_dump(by_alias=True, exclude_none=True))
+    progress = _progress(step=70, attempt=1, at=later, restored_step=61, resumed_from_step=61)
+    observed = Observed(
+        now=later, jobsets=(_jobset(attempt=1, pods=(_scheduled(),)),), progress=progress, latest_committed_step=61
+    )
+    status, _ = reconcile(restarted, observed)
+    assert status.phase == "Running" and status.resumed_from_step == 61
+    assert (status.last_failure.resume_step, status.last_failure.lost_steps, status.lost_steps) == (61, 4, 4)
+    assert status.last_failure.recovery_seconds is not None

@@ -173,6 +173,7 @@ def _decide(tj: TrainingJob, observed: Observed) -> tuple[TrainingJobStatus, Act
     status = _with_storage(status, observed, actions)
     restored_before = status.resumed_from_step
     status = with_observations(status, observed)
+    _with_restored_step(status, observed)
     _report_restore_fallback(status, observed, restored_before, actions)
 
     if foreign:
@@ -864,7 +865,6 @@ def _in_place(
         climb: RestartStrategy = RECREATE if current.in_place_round > rung.max_restarts else IN_PLACE
         rounds = current.in_place_round - status.in_place_round
         return _after_failure(tj, status, observed, actions, current, failure, climb, rounds=rounds)
-    _with_restored_step(status, observed)
     last = status.last_failure
     if last is None or last.rung != IN_PLACE or last.recovery_seconds is not None or status.phase != "Restarting":
         return _while_active(tj, status, observed, actions, current)
@@ -906,11 +906,12 @@ def _restarting_in_place(
 
 
 def _with_restored_step(status: TrainingJobStatus, observed: Observed) -> None:
-    """The in-place restart's trainer restored a step newer than the failure's resume point (its local
-    tier, or a save that committed after the failure): the failure lost fewer steps than first said."""
+    """The attempt that followed the failure restored a step newer than the failure's resume point (a
+    pin means that step or a newer one: a save that committed after the decision, or the local tier
+    after an in-place restart): the failure lost fewer steps than first said."""
     failure, progress = status.last_failure, observed.progress
-    if failure is None or failure.rung != IN_PLACE or progress is None or progress.attempt != status.attempt:
-        return
+    if failure is None or progress is None or progress.attempt != status.attempt or status.phase in TERMINAL_PHASES:
+        return  # an ended job's record is the failed attempt's own
     restored = progress.restored_step
     if restored is not None and recovering_record(failure, progress):
         _with_resume_point(status, failure, restored)
