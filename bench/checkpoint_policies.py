@@ -1,7 +1,8 @@
 """Checkpoint policies on one workload: none, fixed intervals (a sweep), continuous, adaptive.
 
 Runs the trainer's own model, optimizer, data, Orbax manager and adaptive cadence (tpujob_trainer)
-in one process against fake-gcs-server on loopback, one policy after the other, and prints one
+in one process against fake-gcs-server on loopback (or, with --storage disk, a local directory: a
+machine that may open no socket, such as the device machine), one policy after the other, and prints one
 JSON object. Every step is waited for (loss fetched) so step times are real; the overlap of an
 async save with the following steps is exactly what the numbers show.
 
@@ -37,6 +38,7 @@ cores are not all busy training pays; on 2 shared CPU cores the background write
 from __future__ import annotations
 
 import argparse
+import contextlib
 import itertools
 import json
 import math
@@ -46,12 +48,12 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import tpujob_contract as contract
 from tpujob_contract import LATEST
-from tpujob_devcluster.fakegcs import start_fake_gcs
 
 BUCKET = "bench"
 DEFAULT_POLICIES = "none,none_async,continuous,adaptive:5,adaptive:10,adaptive_mtbf:5"
@@ -88,7 +90,23 @@ def _checkpoint_config(spec: str, mtbf: float) -> Any:
     raise SystemExit(f"unknown policy {spec!r}")
 
 
-def _run_policy(args: argparse.Namespace, spec: str, root: Path, round_: int = 0) -> dict[str, Any]:
+@contextlib.contextmanager
+def _storage(kind: str, tmp: Path) -> Iterator[tuple[Path, str, str]]:
+    """The persistent tier: (the folder its bucket's objects land in, the bucket's URL, its description)."""
+    if kind == "disk":
+        root = tmp / "disk"
+        (root / BUCKET).mkdir(parents=True)
+        yield root, str(root / BUCKET), f"a local directory ({root}), no emulator"
+        return
+    from tpujob_devcluster.fakegcs import start_fake_gcs
+
+    with start_fake_gcs(tmp / "gcs") as gcs:
+        os.environ.update(gcs.env())
+        gcs.create_bucket(BUCKET)
+        yield gcs.root_dir, f"gs://{BUCKET}", "fake-gcs-server on 127.0.0.1 (gs://)"
+
+
+def _run_policy(args: argparse.Namespace, spec: str, root: Path, bucket: str, round_: int = 0) -> dict[str, Any]:
     # Imported here: the emulator's environment must be in place before fsspec/gcsfs load.
     import orbax.checkpoint as ocp
     from tpujob_trainer import checkpointing
@@ -115,9 +133,7 @@ def _run_policy(args: argparse.Namespace, spec: str, root: Path, round_: int = 0
         local_dir = Path(os.environ.get("TPUJOB_BENCH_LOCAL_DIR") or root.parent / "local") / name
         every, _, budget = local_every.partition("@")
         budget_percent = float(budget) if budget else contract.DEFAULT_LOCAL_OVERHEAD_BUDGET_PERCENT
-        local = LocalTier(
-            LocalTierConfig(str(local_dir), int(every), budget_percent), f"gs://{BUCKET}/{name}", "bench", 1
-        )
+        local = LocalTier(LocalTierConfig(str(local_dir), int(every), budget_percent), f"{bucket}/{name}", "bench", 1)
     local_blocked_s, local_saves, gcs_blocked_s = 0.0, 0, 0.0
     mngr, cadence = None, None
     meter = SaveCostMeter()
@@ -126,7 +142,7 @@ def _run_policy(args: argparse.Namespace, spec: str, root: Path, round_: int = 0
         if policy := checkpointing.adaptive_policy(options):
             cadence = checkpointing.AdaptiveCadence(ckpt, policy, announce=False)
             meter = cadence.cadence.meter
-        directory = contract.checkpoints_dir(f"gs://{BUCKET}/{name}")
+        directory = contract.checkpoints_dir(f"{bucket}/{name}")
         mngr = checkpointing.CheckpointManager(directory, options, checkpointing.PreemptionNotice(False))
     wait_each_step = spec != "none_async"
     state = trainer.init()
@@ -263,18 +279,18 @@ def main() -> None:
     p.add_argument("--sweep", default="10,20,50,100,200,500,1000", help="fixed intervals (steps) added to --policies")
     p.add_argument("--mtbf", type=float, default=120.0, help="mean time between failures for the waste (s)")
     p.add_argument("--restart-cost", type=float, default=6.0, help="seconds from a failure to training again")
+    p.add_argument("--storage", choices=("gcs", "disk"), default="gcs", help="the persistent tier's storage")
     args = p.parse_args()
     specs = args.policies.split(",") + [f"fixed:{n}" for n in args.sweep.split(",") if n]
 
-    with tempfile.TemporaryDirectory(prefix="tpujob-bench-") as tmp, start_fake_gcs(Path(tmp) / "gcs") as gcs:
-        os.environ.update(gcs.env())
-        gcs.create_bucket(BUCKET)
+    with tempfile.TemporaryDirectory(prefix="tpujob-bench-") as tmp, _storage(args.storage, Path(tmp)) as storage:
+        root, bucket, described = storage
         import jax
 
         results = []
         for round_ in range(args.rounds):
             for spec in specs if round_ % 2 == 0 else specs[::-1]:  # the machine's drift falls on both orders
-                results.append({**_run_policy(args, spec, gcs.root_dir, round_), "round": round_})
+                results.append({**_run_policy(args, spec, root, bucket, round_), "round": round_})
                 print(f"round {round_} {spec}: done", file=sys.stderr, flush=True)
         device = jax.devices()[0]
     for r in results:
@@ -300,7 +316,7 @@ def main() -> None:
                     "mtbf_s": args.mtbf,
                     "restart_cost_s": args.restart_cost,
                     "young_daly_s_at_median_cost": _young_daly(results, args.mtbf),
-                    "storage": "fake-gcs-server on 127.0.0.1 (gs://)",
+                    "storage": described,
                 },
                 "host": {
                     "platform": device.platform,
