@@ -910,8 +910,8 @@ def _with_restored_step(status: TrainingJobStatus, observed: Observed) -> None:
     pin means that step or a newer one: a save that committed after the decision, or the local tier
     after an in-place restart): the failure lost fewer steps than first said."""
     failure, progress = status.last_failure, observed.progress
-    if failure is None or progress is None or progress.attempt != status.attempt or status.phase in TERMINAL_PHASES:
-        return  # an ended job's record is the failed attempt's own
+    if failure is None or progress is None or progress.attempt != status.attempt:
+        return
     restored = progress.restored_step
     if restored is not None and recovering_record(failure, progress):
         _with_resume_point(status, failure, restored)
