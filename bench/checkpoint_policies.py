@@ -134,7 +134,7 @@ def _run_policy(args: argparse.Namespace, spec: str, root: Path, bucket: str, ro
         every, _, budget = local_every.partition("@")
         budget_percent = float(budget) if budget else contract.DEFAULT_LOCAL_OVERHEAD_BUDGET_PERCENT
         local = LocalTier(LocalTierConfig(str(local_dir), int(every), budget_percent), f"{bucket}/{name}", "bench", 1)
-    local_blocked_s, local_saves, gcs_blocked_s = 0.0, 0, 0.0
+    local_blocked_s, local_saves = 0.0, 0
     mngr, cadence = None, None
     meter = SaveCostMeter()
     if ckpt is not None:
@@ -163,6 +163,8 @@ def _run_policy(args: argparse.Namespace, spec: str, root: Path, bucket: str, ro
             continue
         step_s = time.perf_counter() - started
         step_times.append(step_s)
+        if local and local.measuring:  # as the trainer's loop feeds it (the quiet steps are its idle ones)
+            local.step(step_s)
         if mngr is None:
             continue
         saving = mngr.is_saving_in_progress()
@@ -177,10 +179,9 @@ def _run_policy(args: argparse.Namespace, spec: str, root: Path, bucket: str, ro
             starts[step] = called
             blocked_s = time.perf_counter() - blocked_from
             (cadence or meter).saved(blocked_s)
-            gcs_blocked_s += blocked_s
         if local:
             blocked_from = time.perf_counter()
-            if local.save(step, state, gcs_blocked_s):
+            if local.save(step, state):
                 local_saves += 1
                 local_blocked_s += time.perf_counter() - blocked_from
     float(loss.addressable_data(0))

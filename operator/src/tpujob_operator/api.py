@@ -473,9 +473,11 @@ class LocalCheckpointSpec(ApiModel):
         ge=0,
         le=100,
         description=(
-            "Step time the local saves may block, in percent: after its first saves the trainer measures what a "
-            "save blocks and a step takes, and saves every smallest multiple of intervalSteps that stays within "
-            "it (every process alike). 0: every intervalSteps steps whatever it costs."
+            "Step time the local saves may cost, in percent: after its first saves the trainer measures what a "
+            "save costs (the loop blocked in it, and the steps beside its background write slowed) and what a "
+            "step takes, saves every smallest multiple of intervalSteps that stays within it, and first pays back "
+            "what the first saves spent beyond it (every process alike). 0: every intervalSteps steps whatever "
+            "it costs."
         ),
     )
     size_limit: Quantity = Field(

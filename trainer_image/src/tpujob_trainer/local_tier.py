@@ -22,7 +22,6 @@ import json
 import logging
 import math
 import shutil
-import statistics
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -36,6 +35,7 @@ from orbax.checkpoint import checkpoint_managers as cm
 from orbax.checkpoint import type_handlers
 
 from tpujob_trainer import checkpointing
+from tpujob_trainer.cadence import HEADROOM, SaveCostMeter
 from tpujob_trainer.config import LocalTierConfig
 
 log = logging.getLogger("tpujob_trainer")
@@ -44,21 +44,31 @@ KEEP = 2  # committed local steps kept: the newest, and the one before while the
 IDENTITY_FILE = "tpujob-local-identity.json"
 STEPS_DIR = "checkpoints"
 _AGREE_SLOTS = 8  # newest committed local steps each process offers to the agreement
-# The due saves at which the interval is chosen again from what the saves so far blocked (the first
-# pays Orbax's warm-up, so it is measured only while it is the only one).
+# The due saves at which the interval is chosen again from what the saves so far cost (the cost is the
+# median of the last cadence.COST_WINDOW_SAVES, so the first save's warm-up only counts at the 3rd).
 RECHOOSE_AT_SAVES = (3, 10)
+# Steps with no local save in flight before a slowdown is priced: the steps before the first save are
+# idle ones, and there are intervalSteps - 1 of them (the first step compiles).
+MIN_IDLE_STEPS = 5
 MAX_STRETCH = 1000  # the interval is at most this many times intervalSteps
 _MAX_INTERVAL = 2**31 - 1  # what the processes' agreement (an int32 allgather) carries: past any run's end
 
 
-def budgeted_interval(floor_steps: int, blocked_s: float, step_s: float, budget_percent: float) -> int:
-    """The smallest multiple of `floor_steps` at which a local save that blocks the loop `blocked_s`
-    costs at most `budget_percent` of the time the steps between two saves take (`step_s` each);
+def budgeted_interval(floor_steps: int, cost_s: float, step_s: float, budget_percent: float) -> int:
+    """The smallest multiple of `floor_steps` at which a local save that costs `cost_s` of the loop's
+    time costs at most `budget_percent` of the time the steps between two saves take (`step_s` each);
     `floor_steps` itself with no budget (0) or nothing measured."""
-    if budget_percent <= 0 or blocked_s <= 0 or step_s <= 0:
+    if budget_percent <= 0 or cost_s <= 0 or step_s <= 0:
         return floor_steps
-    multiple = math.ceil(blocked_s / (budget_percent / 100 * floor_steps * step_s))
+    multiple = math.ceil(cost_s / (budget_percent / 100 * floor_steps * step_s))
     return min(floor_steps * min(max(multiple, 1), MAX_STRETCH), _MAX_INTERVAL)
+
+
+def debt_steps(debt_s: float, step_s: float) -> int:
+    """The steps that take `debt_s` of productive time (none when nothing is owed or measured)."""
+    if debt_s <= 0 or step_s <= 0:
+        return 0
+    return min(math.ceil(debt_s / step_s), _MAX_INTERVAL)
 
 
 def identity(run_dir: str, job_uid: str, num_slices: int) -> dict[str, Any]:
@@ -153,10 +163,11 @@ class LocalTier:
         # The interval in force: a multiple of cfg.interval_steps (the manager's own policy), the same on
         # every process, re-chosen at the RECHOOSE_AT_SAVES-th due save.
         self.interval_steps = cfg.interval_steps
+        # No save before this step: what the saves made before the interval was priced spent beyond the
+        # budget is paid back first, as the GCS tier's adaptive policy pays its debt (the same on every process).
+        self.hold_until = 0
         self._due_saves = 0
-        self._blocked_s: list[float] = []
-        self._step_s: list[float] = []
-        self._last_save: tuple[int, float, float] | None = None  # (step, when it returned, blocked_elsewhere_s)
+        self.meter = SaveCostMeter(min_idle_steps=MIN_IDLE_STEPS)
         budget = f"{cfg.overhead_budget_percent:g}% of step time" if cfg.overhead_budget_percent else "no budget"
         log.info("local tier: %s, every %d steps at most (%s)", steps, cfg.interval_steps, budget)
 
@@ -164,46 +175,54 @@ class LocalTier:
         self.manager.reload()
         return sorted(int(s) for s in self.manager.all_steps())
 
-    def save(self, step: int, state: Any, blocked_elsewhere_s: float = 0.0) -> bool:
+    @property
+    def measuring(self) -> bool:
+        """A re-choice of the interval is ahead: the loop times every step for it (see step)."""
+        return bool(self.cfg.overhead_budget_percent) and self._due_saves < RECHOOSE_AT_SAVES[-1]
+
+    def step(self, seconds: float) -> None:
+        """One step took `seconds` of its own compute (not the loop's saves or reports), while measuring:
+        a step beside a local save in flight is charged its slowdown against the steps with none."""
+        self.meter.step(seconds, self.manager.is_saving_in_progress())
+
+    def save(self, step: int, state: Any) -> bool:
         """Start an async save if the interval says so (blocking only for the copy off the devices,
-        and for a previous local save still in flight). Called at every step on every process;
-        `blocked_elsewhere_s`: the loop's time blocked in GCS saves so far, which is not step time."""
+        and for a previous local save still in flight). Called at every step on every process."""
         # The interval first: Orbax's own decision costs a little Python on every step.
-        if step % self.interval_steps:
+        if step % self.interval_steps or step < self.hold_until:
             return False
         self._due_saves += 1
         if self.cfg.overhead_budget_percent and self._due_saves in RECHOOSE_AT_SAVES:
             self._rechoose(step)
-            if step % self.interval_steps:
+            if step % self.interval_steps or step < self.hold_until:
                 return False
         if not self.manager.should_save(step):
             return False
-        if not (self.cfg.overhead_budget_percent and self._due_saves < RECHOOSE_AT_SAVES[-1]):
-            return bool(self.manager.save(step, args=ocp.args.PyTreeSave(state)))  # nothing left to measure for
+        if not self.measuring:
+            return bool(self.manager.save(step, args=ocp.args.PyTreeSave(state)))
         jax.block_until_ready(state)  # type: ignore[no-untyped-call]  # steps still computing: training time
         started = time.monotonic()
         saved = bool(self.manager.save(step, args=ocp.args.PyTreeSave(state)))
-        ended = time.monotonic()
-        if self._last_save is not None:
-            last_step, last_ended, last_elsewhere_s = self._last_save
-            training_s = started - last_ended - (blocked_elsewhere_s - last_elsewhere_s)
-            self._step_s.append(training_s / (step - last_step))
-        self._blocked_s.append(ended - started)
-        self._last_save = (step, ended, blocked_elsewhere_s)
+        if saved:
+            self.meter.saved(time.monotonic() - started)
         return saved
 
     def _rechoose(self, step: int) -> None:
-        """The interval from the saves measured so far, agreed by every process (the longest proposed)."""
-        blocked_s = statistics.median(self._blocked_s[1:] or self._blocked_s or [0.0])
-        step_s = statistics.median(self._step_s or [0.0])
+        """The interval from what the saves so far cost (blocking plus the slowdown of the steps beside
+        their background write), planned at cadence.HEADROOM of the budget as the GCS tier's adaptive
+        policy is, and the steps that pay back what they spent beyond it; each agreed by every process
+        (the longest proposed)."""
+        cost_s, step_s = self.meter.cost_s or 0.0, self.meter.baseline_s or 0.0
         budget = self.cfg.overhead_budget_percent
-        agreed = checkpointing.agree_max(budgeted_interval(self.cfg.interval_steps, blocked_s, step_s, budget))
-        if agreed != self.interval_steps:
+        plan = budget * HEADROOM
+        agreed = checkpointing.agree_max(budgeted_interval(self.cfg.interval_steps, cost_s, step_s, plan))
+        owed = checkpointing.agree_max(debt_steps(self.meter.debt_s(plan / 100), step_s))
+        if agreed != self.interval_steps or owed:
             log.info(
-                "local tier: every %d steps from step %d (a save blocks %.0f ms, a step takes %.1f ms; budget %g%%)",
-                agreed, step, 1000 * blocked_s, 1000 * step_s, budget,
+                "local tier: every %d steps from step %d, none before step %d (a save costs %.0f ms, a step"
+                " takes %.1f ms; budget %g%%)", agreed, step, step + owed, 1000 * cost_s, 1000 * step_s, budget,
             )  # fmt: skip
-        self.interval_steps = agreed
+        self.interval_steps, self.hold_until = agreed, step + owed
 
     def forget_after(self, step: int | None) -> None:
         """Remove this process's local steps newer than `step` (None: all): the attempt goes on from

@@ -316,12 +316,12 @@ def _save(mngr: CheckpointManager, step: int, state: State, status: AttemptProgr
         return None
 
 
-def _save_local(local: LocalTier, step: int, state: State, status: AttemptProgress, gcs_blocked_s: float) -> None:
+def _save_local(local: LocalTier, step: int, state: State, status: AttemptProgress) -> None:
     """A local save at its interval, after the GCS tier's decision (which it never delays); one that
     fails is logged, and the GCS tier goes on as if there were none."""
     try:
         blocked_from = time.monotonic()
-        if local.save(step, state, gcs_blocked_s):
+        if local.save(step, state):
             status.save_blocked(time.monotonic() - blocked_from)
     except Exception as err:
         log.warning("local tier: save of step %d failed (%s); GCS saves go on", step, failures.short_error(err))
@@ -390,21 +390,22 @@ def _train(
     tc = cfg.train
     cadence = status.cadence
     pending_save: int | None = None
-    gcs_blocked_s = 0.0  # the loop's time blocked in GCS saves so far: not step time, for the local budget
     window_start, window_steps, last_publish = time.monotonic(), 0, float("-inf")
-    timed_from: float | None = None  # adaptive: when the step being timed began (None: compiling)
+    timed_from: float | None = None  # when the step being timed began (None: compiling)
     for step in range(status.step + 1, tc.steps + 1):
         # The update producing `step` consumes batch step-1: data position == step.
         batch = trainer.device_batch(batch_for_step(tc.seed, step - 1, tc.batch_size, tc.seq_len, tc.model.vocab_size))
         state, loss = trainer.step(state, batch)
         status.step, window_steps = step, window_steps + 1
-        if status.record_so_far.first_step_at is None or cadence:
-            # After the first step: compilation is behind us. Adaptive: every step, because JAX
-            # dispatches asynchronously and the cadence needs each step's real time; this costs the
-            # host's head start on dispatching the next step (bench/checkpoint_policies.py measures it).
-            jax.block_until_ready(loss)  # type: ignore[no-untyped-call]
+        # Adaptive, and the local tier while it prices its saves, need each step's real time: JAX
+        # dispatches asynchronously, so such a step is waited for, which costs the host its head start
+        # on dispatching the next one (bench/checkpoint_policies.py measures it).
+        timed = cadence is not None or (local is not None and local.measuring)
+        if status.record_so_far.first_step_at is None or timed:
+            jax.block_until_ready(loss)  # type: ignore[no-untyped-call]  # after the first: compiled
             if status.record_so_far.first_step_at is None:
                 status.update(first_step_at=contract.now_rfc3339())
+        step_s = time.monotonic() - timed_from if timed and timed_from is not None else None
         # Before any save: a save at the step JAX's preemption sync agrees on is the preemption save.
         stopping = notice.reached(step)
         if mngr:
@@ -414,16 +415,18 @@ def _train(
                 if writer:
                     writer.saved(pending_save)
                 pending_save = None
-            if cadence and timed_from is not None:
-                cadence.step(time.monotonic() - timed_from, saving)
+            if cadence and step_s is not None:
+                cadence.step(step_s, saving)
             blocked = _save(mngr, step, state, status)
             if blocked is not None:
-                pending_save, gcs_blocked_s = step, gcs_blocked_s + blocked
+                pending_save = step
                 if cadence:
                     cadence.saved(blocked)
             # Not at the stop step: the signalled pod leaves with its memory volume, so no process restores it.
             if local and not stopping:
-                _save_local(local, step, state, status, gcs_blocked_s)
+                if local.measuring and step_s is not None:
+                    local.step(step_s)
+                _save_local(local, step, state, status)
         if stopping:
             if mngr:
                 saved = cfg.checkpoint is not None and cfg.checkpoint.save_on_preemption
