@@ -464,3 +464,24 @@ def test_a_recreated_attempt_that_restored_a_step_committed_after_the_decision_r
     assert status.phase == "Running" and status.resumed_from_step == 61
     assert (status.last_failure.resume_step, status.last_failure.lost_steps, status.lost_steps) == (61, 4, 4)
     assert status.last_failure.recovery_seconds is not None
+
+
+def test_recovery_is_not_measured_before_the_attempt_trains_past_the_step_it_restored():
+    # Decided at 31; the new attempt restored 61 (a save committed after the decision). Its record at
+    # step 61, restored and not yet trained, is not the recovery: that is its first step, 62.
+    pods = (_scheduled(phase="Failed", exit_code=137, finished_at=T0),)
+    failed = Observed(now=T0, jobsets=(_jobset(pods=pods),), progress=_progress(step=65), latest_committed_step=31)
+    decided, _ = reconcile(_running(), failed)
+    restored_at, first_step_at = T0 + timedelta(seconds=20), T0 + timedelta(seconds=35)
+
+    def observe(before, progress, now):
+        tj = training_job(status=before.model_dump(by_alias=True, exclude_none=True))
+        jobsets = (_jobset(attempt=1, pods=(_scheduled(),)),)
+        return reconcile(tj, Observed(now=now, jobsets=jobsets, progress=progress, latest_committed_step=61))[0]
+
+    restored = _progress(step=61, attempt=1, at=restored_at, restored_step=61, resumed_from_step=61)
+    status = observe(decided, restored, restored_at)
+    assert (status.last_failure.resume_step, status.last_failure.recovery_seconds) == (61, None)
+    trained = _progress(step=62, attempt=1, at=first_step_at, restored_step=61, first_step_at=rfc3339(first_step_at))
+    status = observe(status, trained, first_step_at)
+    assert status.last_failure.recovery_seconds == 35.0

@@ -81,8 +81,10 @@ def with_observations(status: TrainingJobStatus, observed: Observed) -> Training
             )
         failure = status.last_failure
         # The first step trained by the attempt that replaced the failed one, or its success when it
-        # resumed at the final step and had none to train: the failure's cost in time.
-        trained = failure is not None and progress.step > (failure.resume_step or -1)
+        # resumed at the final step and had none to train: the failure's cost in time. Past the step it
+        # restored, which may be newer than the failure's resume point (a pin means that step or newer).
+        resumed_at = max((s for s in (failure.resume_step, restored) if s is not None), default=-1) if failure else -1
+        trained = failure is not None and progress.step > resumed_at
         if (
             failure is not None
             and failure.recovery_seconds is None
