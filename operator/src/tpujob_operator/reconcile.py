@@ -49,6 +49,7 @@ from .restarts import (
     node_verdict_wait,
 )
 from .status import (
+    moved_resume_point,
     parse_time,
     recovering_record,
     rfc3339,
@@ -173,7 +174,6 @@ def _decide(tj: TrainingJob, observed: Observed) -> tuple[TrainingJobStatus, Act
     status = _with_storage(status, observed, actions)
     restored_before = status.resumed_from_step
     status = with_observations(status, observed)
-    _with_restored_step(status, observed)
     _report_restore_fallback(status, observed, restored_before, actions)
 
     if foreign:
@@ -385,17 +385,8 @@ def _with_later_resume_point(status: TrainingJobStatus, latest: int | None) -> N
     failure = status.last_failure
     if failure is None or status.phase != "Restarting" or failure.recovery_seconds is not None or latest is None:
         return
-    _with_resume_point(status, failure, latest)
-
-
-def _with_resume_point(status: TrainingJobStatus, failure: FailureRecord, step: int) -> None:
-    """The failure resumed from `step` if it is later than the recorded resume point: the failure
-    record says so, and the steps it did not lose are given back."""
-    if failure.resume_step is not None and step <= failure.resume_step:
-        return
-    lost = max(0, failure.step - step) if failure.step is not None else None
-    status.lost_steps -= (failure.lost_steps or 0) - (lost or 0)
-    status.last_failure = failure.model_copy(update={"resume_step": step, "lost_steps": lost})
+    if moved := moved_resume_point(status.lost_steps, failure, latest):
+        status.lost_steps, status.last_failure = moved
 
 
 def final_step(tj: TrainingJob) -> int | None:
@@ -903,18 +894,6 @@ def _restarting_in_place(
     actions.requeue_after = _until(observed.now, observed.now, rung.recovery_deadline_seconds, STARTUP_CHECK_SECONDS)
     status = with_phase(status, "Restarting", "RestartingInPlace", message, observed.now)
     return _staged(status, "StartingUp", observed.now), actions
-
-
-def _with_restored_step(status: TrainingJobStatus, observed: Observed) -> None:
-    """The attempt that followed the failure restored a step newer than the failure's resume point (a
-    pin means that step or a newer one: a save that committed after the decision, or the local tier
-    after an in-place restart): the failure lost fewer steps than first said."""
-    failure, progress = status.last_failure, observed.progress
-    if failure is None or progress is None or progress.attempt != status.attempt:
-        return
-    restored = progress.restored_step
-    if restored is not None and recovering_record(failure, progress):
-        _with_resume_point(status, failure, restored)
 
 
 def _bucket(tj: TrainingJob) -> str:

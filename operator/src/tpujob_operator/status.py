@@ -80,11 +80,20 @@ def with_observations(status: TrainingJobStatus, observed: Observed) -> Training
                 mtbf_seconds=progress.mtbf_seconds,
             )
         failure = status.last_failure
+        # The attempt that followed the failure restored a step newer than the failure's resume point (a
+        # pin means that step or a newer one: a save that committed after the decision, or the local tier
+        # after an in-place restart): the failure lost fewer steps than first said.
+        if (
+            failure is not None
+            and progress.restored_step is not None
+            and recovering_record(failure, progress)
+            and (moved := moved_resume_point(status.lost_steps, failure, progress.restored_step))
+        ):
+            update["lost_steps"], failure = moved
+            update["last_failure"] = failure
         # The first step trained by the attempt that replaced the failed one, or its success when it
-        # resumed at the final step and had none to train: the failure's cost in time. Past the step it
-        # restored, which may be newer than the failure's resume point (a pin means that step or newer).
-        resumed_at = max((s for s in (failure.resume_step, restored) if s is not None), default=-1) if failure else -1
-        trained = failure is not None and progress.step > resumed_at
+        # resumed at the final step and had none to train: the failure's cost in time.
+        trained = failure is not None and progress.step > (failure.resume_step or -1)
         if (
             failure is not None
             and failure.recovery_seconds is None
@@ -96,6 +105,17 @@ def with_observations(status: TrainingJobStatus, observed: Observed) -> Training
             seconds = ((first_step or progress.updated) - parse_time(failure.time)).total_seconds()  # type: ignore[operator]
             update["last_failure"] = failure.model_copy(update={"recovery_seconds": round(seconds, 1)})
     return status.model_copy(update=update)
+
+
+def moved_resume_point(lost_steps: int, failure: FailureRecord, step: int) -> tuple[int, FailureRecord] | None:
+    """The job's lost steps and the failure record once the failure resumed from `step`, if that is later
+    than its recorded resume point (the steps it did not lose are given back); else None."""
+    if failure.resume_step is not None and step <= failure.resume_step:
+        return None
+    lost = max(0, failure.step - step) if failure.step is not None else None
+    return lost_steps - ((failure.lost_steps or 0) - (lost or 0)), failure.model_copy(
+        update={"resume_step": step, "lost_steps": lost}
+    )
 
 
 def recovering_record(failure: FailureRecord, progress: contract.ProgressRecord) -> bool:
