@@ -231,6 +231,8 @@ def test_the_budget_prices_the_slowdown_beside_a_local_save_not_only_its_blockin
 
     tier = local_tier.LocalTier(LocalTierConfig(str(tmp_path), 10, 2.0), str(tmp_path / "run"), "uid", 1)
     saved_at, now = -100, 0
+    # A stand-in for when the background write ends, and only that: the real write of 8 floats ends
+    # within the step, so the steps beside it could not be chosen; the saves themselves are Orbax's.
     monkeypatch.setattr(tier.manager, "is_saving_in_progress", lambda: now < saved_at + 5)
     state = {"w": jnp.arange(8.0)}
     try:

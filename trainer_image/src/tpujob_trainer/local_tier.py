@@ -189,12 +189,12 @@ class LocalTier:
         """Start an async save if the interval says so (blocking only for the copy off the devices,
         and for a previous local save still in flight). Called at every step on every process."""
         # The interval first: Orbax's own decision costs a little Python on every step.
-        if step % self.interval_steps or step < self.hold_until:
+        if not self._due(step):
             return False
         self._due_saves += 1
         if self.cfg.overhead_budget_percent and self._due_saves in RECHOOSE_AT_SAVES:
             self._rechoose(step)
-            if step % self.interval_steps or step < self.hold_until:
+            if not self._due(step):
                 return False
         if not self.manager.should_save(step):
             return False
@@ -206,6 +206,10 @@ class LocalTier:
         if saved:
             self.meter.saved(time.monotonic() - started)
         return saved
+
+    def _due(self, step: int) -> bool:
+        """At the interval in force, and nothing left to pay back."""
+        return step % self.interval_steps == 0 and step >= self.hold_until
 
     def _rechoose(self, step: int) -> None:
         """The interval from what the saves so far cost (blocking plus the slowdown of the steps beside
