@@ -25,6 +25,7 @@ from kubernetes import client, config
 from tpujob_contract import JOBSET_GROUP, JOBSET_VERSION, ProgressRecord
 from tpujob_devcluster.cluster import BUCKET, DevCluster
 from tpujob_devcluster.harness import helm_install_operator, pod_pids, signal_pod
+from tpujob_devcluster.kueue import HIGH_PRIORITY, LOW_PRIORITY
 from tpujob_operator import api, checkpoints
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
@@ -48,7 +49,9 @@ def devcluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DevCluster]
     cluster = DevCluster(state, pools, kueue=True).start()
     try:
         # Status follows the trainer within 5 s (the default, 60 s, would add up to a minute to every wait).
-        helm_install_operator(cluster.kubeconfig, "kueue.enabled=true", "reconcile.progressCheckSeconds=5")
+        # The devcluster's WorkloadPriorityClasses, which tests/e2e/test_kueue.py labels its jobs with.
+        priorities = f"policy.allowedPriorityClasses={{{LOW_PRIORITY},{HIGH_PRIORITY}}}"
+        helm_install_operator(cluster.kubeconfig, "kueue.enabled=true", "reconcile.progressCheckSeconds=5", priorities)
         yield cluster
     finally:
         cluster.stop()

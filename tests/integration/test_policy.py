@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 from kubernetes import client, config
 from kubernetes.client.exceptions import ApiException
-from tpujob_contract import JOBSET_GROUP, JOBSET_PLURAL, JOBSET_VERSION
+from tpujob_contract import JOBSET_GROUP, JOBSET_PLURAL, JOBSET_VERSION, PRIORITY_CLASS_LABEL
 from tpujob_devcluster.controlplane import tools_dir
 from tpujob_operator import api, policy
 from tpujob_operator.runtime import RuntimeSettings
@@ -28,6 +28,13 @@ CHART = Path(__file__).resolve().parents[2] / "charts" / "tpujob"
 ALLOWED = f"gs://{TEST_BUCKET}/runs"
 _IN = {"directory": ALLOWED}
 SECRET_ENV = [{"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {"name": "hf", "key": "token"}}}]
+
+
+def _labelled(name: str, priority: str, **spec: Any) -> dict[str, Any]:
+    """A job that names a Kueue WorkloadPriorityClass (the label the operator copies to its JobSets)."""
+    manifest = training_job_manifest(name, checkpoint=_IN, **spec)
+    manifest["metadata"]["labels"] = {PRIORITY_CLASS_LABEL: priority}
+    return manifest
 
 
 def helm(control_plane: Any, *args: str) -> None:
@@ -134,6 +141,31 @@ def test_the_admission_policy_refuses_each_rule_with_its_message(kube, release, 
     )
 
 
+def test_the_admission_policy_holds_the_kueue_priority_label_to_the_list_also_on_a_label_only_update(
+    kube, release, team, unique_name
+):
+    """Issue 30 defect 4: the kueue.x-k8s.io/priority-class label (a WorkloadPriorityClass, which Kueue
+    ranks preemption by) went unchecked, and a label-only update skipped the policy (it matched spec
+    changes only): a tenant labelled its job `high` and preempted the others."""
+    forbidden = policy.WORKLOAD_PRIORITY_FORBIDDEN_MESSAGE.format(name="high", allowed="batch-low")
+    assert _refusal(kube, team, _labelled(f"{unique_name}-high", "high")).endswith(forbidden)
+    name = f"{unique_name}-low"
+    assert _create(kube, team, _labelled(name, "batch-low")) is None
+    custom = client.CustomObjectsApi(kube)
+
+    def relabel(priority: str | None) -> Any:
+        patch = {"metadata": {"labels": {PRIORITY_CLASS_LABEL: priority}}}
+        return custom.patch_namespaced_custom_object(api.GROUP, api.VERSION, team, api.PLURAL, name, patch)
+
+    with pytest.raises(ApiException) as relabelled:
+        relabel("high")
+    assert relabelled.value.status == 403, relabelled.value.body
+    assert json.loads(relabelled.value.body)["message"].endswith(forbidden)
+    # Dropping the label, and labelling with a listed class, go through.
+    assert PRIORITY_CLASS_LABEL not in relabel(None)["metadata"].get("labels", {})
+    assert relabel("batch-low")["metadata"]["labels"][PRIORITY_CLASS_LABEL] == "batch-low"
+
+
 def test_default_values_refuse_any_service_account_and_secret_refs_can_be_allowed(control_plane, kube, namespace, team):
     install = (
         "install", "tpujob", str(CHART), "--namespace", namespace, "--skip-crds",
@@ -197,6 +229,11 @@ def test_without_the_admission_policy_the_operator_refuses_and_reads_nothing(kub
         "priority": (
             training_job_manifest("priority", checkpoint=_IN, priorityClassName="system-cluster-critical"),
             policy.PRIORITY_FORBIDDEN_MESSAGE.format(name="system-cluster-critical", allowed="none"),
+        ),
+        # Issue 30 defect 4: a Kueue priority label that got past admission.
+        "kueue-priority": (
+            _labelled("kueue-priority", "high"),
+            policy.WORKLOAD_PRIORITY_FORBIDDEN_MESSAGE.format(name="high", allowed="none"),
         ),
     }
     for manifest, _ in jobs.values():
@@ -318,5 +355,46 @@ def test_a_tightened_policy_lets_the_running_attempt_finish_and_never_restarts_i
     status = eventually(failed, what="the job to fail")
     condition = next(c for c in status["conditions"] if c["type"] == "Failed")
     assert (condition["reason"], condition["message"]) == ("PolicyViolation", problem)
+    eventually(lambda: cluster.all_jobsets() == [], what="the failed attempt's JobSet to go")
+    assert status.get("attempt", 0) == 0
+
+
+def test_a_kueue_priority_relabelled_while_the_job_runs_never_reaches_an_attempt(kube, start_operator, namespace):
+    """Issue 30 defect 4, past admission (no policy installed): relabelling a running job `high` changes
+    nothing of its JobSet (labelled at creation, never relabelled); the attempt goes on with a
+    PolicyViolation condition, and the next one, which would carry the label, is refused instead."""
+    cluster = Cluster(kube, namespace)
+    start_operator(RuntimeSettings(policy=policy.Policy(priority_classes=("low",))))
+    cluster.apply(_labelled("relabelled", "low"))
+    first = eventually(lambda: cluster.jobset("relabelled-a0"), what="the first JobSet")
+    client.CustomObjectsApi(kube).patch_namespaced_custom_object(
+        api.GROUP,
+        api.VERSION,
+        namespace,
+        api.PLURAL,
+        "relabelled",
+        {"metadata": {"labels": {PRIORITY_CLASS_LABEL: "high"}}},
+    )
+    problem = policy.WORKLOAD_PRIORITY_FORBIDDEN_MESSAGE.format(name="high", allowed="low")
+
+    def warned() -> dict[str, Any] | None:
+        status: dict[str, Any] = cluster.status("relabelled")
+        conditions = {c["type"]: c for c in status.get("conditions") or []}
+        return status if conditions.get("PolicyViolation", {}).get("status") == "True" else None
+
+    status = eventually(warned, timeout=30, what="the PolicyViolation condition")
+    [condition] = [c for c in status["conditions"] if c["type"] == "PolicyViolation"]
+    assert problem in condition["message"] and status["phase"] != "Failed"
+    assert cluster.jobset("relabelled-a0")["metadata"]["labels"] == first["metadata"]["labels"]
+
+    cluster.fail_slice(first, slice_index=0, exit_code=1)  # the attempt ends: none other with the label
+
+    def failed() -> dict[str, Any] | None:
+        status: dict[str, Any] = cluster.status("relabelled")
+        return status if status.get("phase") == "Failed" else None
+
+    status = eventually(failed, what="the job to fail")
+    condition = next(c for c in status["conditions"] if c["type"] == "Failed")
+    assert (condition["reason"], condition["message"]) == (policy.REASON, problem)
     eventually(lambda: cluster.all_jobsets() == [], what="the failed attempt's JobSet to go")
     assert status.get("attempt", 0) == 0

@@ -10,6 +10,7 @@ import pytest
 from tpujob_contract import LABEL_UID
 from tpujob_operator import policy
 from tpujob_operator.facts import Actions
+from tpujob_operator.jobset import build_jobset, workload_priority_class
 from tpujob_operator.policy import Policy, violations
 
 from .factories import training_job
@@ -80,6 +81,59 @@ def test_only_listed_priority_classes_are_allowed_and_none_by_default():
     ]
     assert violations(training_job(priorityClassName="anything"), Policy(priority_classes=("*",))) == []
     assert violations(training_job(), Policy()) == []
+
+
+def _labelled(priority: str, **spec: Any):
+    tj = training_job(**spec)
+    tj.metadata["labels"] = {"kueue.x-k8s.io/queue-name": "tpu", "kueue.x-k8s.io/priority-class": priority}
+    return tj
+
+
+def test_the_kueue_priority_label_is_held_to_the_same_list_and_named():
+    """Issue 30 defect 4: the WorkloadPriorityClass label, which Kueue ranks preemption by, was copied to
+    the JobSet unchecked: a tenant labelled its job `high` and preempted the others."""
+    assert violations(_labelled("high"), Policy()) == [
+        "label kueue.x-k8s.io/priority-class high is not allowed (policy.allowedPriorityClasses: none)"
+    ]
+    listed = Policy(priority_classes=("low", "batch-low"))
+    assert violations(_labelled("low"), listed) == []
+    assert violations(_labelled("high"), listed) == [
+        policy.WORKLOAD_PRIORITY_FORBIDDEN_MESSAGE.format(name="high", allowed="low, batch-low")
+    ]
+    assert violations(_labelled("high"), Policy(priority_classes=("*",))) == []
+    # The field and the label are checked each on its own: an allowed field does not carry the label.
+    assert violations(_labelled("high", priorityClassName="batch-low"), listed) == [
+        policy.WORKLOAD_PRIORITY_FORBIDDEN_MESSAGE.format(name="high", allowed="low, batch-low")
+    ]
+    # Without a queue label too: kueue.defaultQueueName queues an unlabelled job.
+    unqueued = training_job()
+    unqueued.metadata["labels"] = {"kueue.x-k8s.io/priority-class": "high"}
+    assert violations(unqueued, Policy()) == [
+        policy.WORKLOAD_PRIORITY_FORBIDDEN_MESSAGE.format(name="high", allowed="none")
+    ]
+    # Other labels are none of the policy's business.
+    other = training_job()
+    other.metadata["labels"] = {"team": "high"}
+    assert violations(other, Policy()) == []
+
+
+def test_the_label_the_policy_checks_is_the_one_the_jobset_carries():
+    tj = _labelled("low")
+    built = build_jobset(tj, 0, None, "tpu")
+    assert built["metadata"]["labels"]["kueue.x-k8s.io/priority-class"] == workload_priority_class(tj) == "low"
+
+
+def test_a_running_job_relabelled_outside_the_policy_is_warned_and_never_restarted_with_it():
+    """A label changed while an attempt runs cannot reach its JobSet (set at creation, never relabelled);
+    the next attempt, which would carry it, is refused instead of created."""
+    tj = _labelled("high", status={"phase": "Running", "attempt": 0})
+    problems = violations(tj, Policy(priority_classes=("low",)))
+    assert problems == [policy.WORKLOAD_PRIORITY_FORBIDDEN_MESSAGE.format(name="high", allowed="low")]
+    decided = policy.while_running(tj, tj.status, Actions(), problems, NOW)
+    assert decided is not None
+    [condition] = [c for c in decided[0].conditions if c.type == "PolicyViolation"]
+    assert condition.status == "True" and "label kueue.x-k8s.io/priority-class high" in condition.message
+    assert policy.while_running(tj, tj.status, Actions(create_attempt=1), problems, NOW) is None
 
 
 @pytest.mark.parametrize(

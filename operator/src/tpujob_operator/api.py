@@ -841,7 +841,7 @@ class TrainingJobSpec(ApiModel):
         description=(
             "PriorityClass of the worker pods (the scheduler's preemption; Kueue's too, unless the "
             "kueue.x-k8s.io/priority-class label names a WorkloadPriorityClass). Only those the operator's "
-            "policy lists are allowed (policy.allowedPriorityClasses)."
+            "policy lists are allowed (policy.allowedPriorityClasses), here and in that label alike."
         ),
     )
 

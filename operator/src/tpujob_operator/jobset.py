@@ -173,10 +173,16 @@ def _resources(tj: TrainingJob, chips_per_host: int) -> dict[str, dict[str, int 
     return {"requests": requests, "limits": limits}
 
 
+def workload_priority_class(tj: TrainingJob) -> str | None:
+    """The Kueue WorkloadPriorityClass the job's label names: what a queued JobSet carries, and what the
+    policy checks (policy.violations)."""
+    return (tj.metadata.get("labels") or {}).get(PRIORITY_CLASS_LABEL) or None
+
+
 def _kueue_labels(tj: TrainingJob, queue: str | None) -> dict[str, str]:
     if not queue:
         return {}
-    priority = (tj.metadata.get("labels") or {}).get(PRIORITY_CLASS_LABEL)
+    priority = workload_priority_class(tj)
     return {QUEUE_LABEL: queue, **({PRIORITY_CLASS_LABEL: priority} if priority else {})}
 
 

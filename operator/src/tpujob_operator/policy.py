@@ -9,6 +9,11 @@ directory with its own identity, so a job may not:
   among them) -- else anyone who may create a TrainingJob could act as any account of the namespace;
 - give its workers a PriorityClass the policy does not list (`spec.priorityClassName`; none listed:
   none) -- else any tenant could preempt the others' pods;
+- name a Kueue WorkloadPriorityClass the same list does not list (the `kueue.x-k8s.io/priority-class`
+  label, which the operator copies to the JobSet and Kueue ranks the job's admission and preemption by,
+  over the PriorityClass) -- else a label would do what the field may not. One list for both kinds: the
+  admin names the priorities tenants may use once (the kinds are distinct objects; a name listed allows
+  either);
 - read a Secret into the trainer's env (`env[].valueFrom.secretKeyRef`) unless allowed.
 
 The chart installs the same rules as a ValidatingAdmissionPolicy (templates/admissionpolicy.yaml),
@@ -30,9 +35,11 @@ from dataclasses import dataclass, replace
 from datetime import datetime
 from typing import Any
 
+from tpujob_contract import PRIORITY_CLASS_LABEL
+
 from .api import TrainingJob, TrainingJobStatus
 from .facts import Actions, Event
-from .jobset import incarnation_uid
+from .jobset import incarnation_uid, workload_priority_class
 from .status import set_condition
 
 REASON = "PolicyViolation"
@@ -46,6 +53,9 @@ ACCOUNT_FORBIDDEN_MESSAGE = (
     "leave it unset to run as the namespace's default"
 )
 PRIORITY_FORBIDDEN_MESSAGE = "spec.priorityClassName {name} is not allowed (policy.allowedPriorityClasses: {allowed})"
+WORKLOAD_PRIORITY_FORBIDDEN_MESSAGE = (
+    f"label {PRIORITY_CLASS_LABEL} {{name}} is not allowed (policy.allowedPriorityClasses: {{allowed}})"
+)
 RUNNING_MESSAGE = (
     "the policy changed while the job runs: its current attempt goes on, but the job ends Failed instead of "
     "restarting: {problems}"
@@ -67,7 +77,8 @@ class Policy:
     # gs://bucket or gs://bucket/prefix, no trailing slash; empty: any location.
     checkpoint_locations: tuple[str, ...] = ()
     # ServiceAccount and PriorityClass names a job may set ("*": any); the defaults allow neither
-    # (the namespace's default account, no PriorityClass).
+    # (the namespace's default account, no PriorityClass). The priority names hold for the
+    # kueue.x-k8s.io/priority-class label (a WorkloadPriorityClass) too.
     service_accounts: tuple[str, ...] = ()
     priority_classes: tuple[str, ...] = ()
     secret_key_ref_allowed: bool = False
@@ -113,6 +124,11 @@ def violations(tj: TrainingJob, policy: Policy) -> list[str]:
     priority = spec.priority_class_name
     if priority and not listed(priority, policy.priority_classes):
         found.append(PRIORITY_FORBIDDEN_MESSAGE.format(name=priority, allowed=_names(policy.priority_classes)))
+    # Checked with or without a queue: kueue.defaultQueueName queues an unlabelled job too.
+    workload_priority = workload_priority_class(tj)
+    if workload_priority and not listed(workload_priority, policy.priority_classes):
+        allowed_names = _names(policy.priority_classes)
+        found.append(WORKLOAD_PRIORITY_FORBIDDEN_MESSAGE.format(name=workload_priority, allowed=allowed_names))
     if not location_allowed(spec.checkpoint.directory, policy.checkpoint_locations):
         allowed = ", ".join(policy.checkpoint_locations)
         found.append(LOCATION_MESSAGE.format(directory=spec.checkpoint.directory, allowed=allowed))
@@ -144,7 +160,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         action="append",
         default=[],
         metavar="NAME",
-        help="a PriorityClass spec.priorityClassName may name (repeat; '*': any; none: none)",
+        help="a PriorityClass spec.priorityClassName, or a Kueue WorkloadPriorityClass the "
+        "kueue.x-k8s.io/priority-class label, may name (repeat; '*': any; none: none)",
     )
     group.add_argument(
         "--allow-secret-key-ref",
