@@ -83,8 +83,9 @@ def test_cluster_role_is_least_privilege():
     # RoleBindings it creates, and only to the in-place restart agent's role: no other role can be granted.
     bind = next(rule for rule in role["rules"] if rule["resources"] == ["clusterroles"])
     assert (bind["verbs"], bind["resourceNames"]) == (["bind"], ["tpujob-in-place-restart-agent"])
+    # Per job, deleted by label when it ends (their names are not remembered): create and deletecollection only.
     bindings = next(rule for rule in role["rules"] if rule["resources"] == ["rolebindings"])
-    assert bindings["verbs"] == ["create"]
+    assert bindings["verbs"] == ["create", "deletecollection"]
 
 
 def test_the_in_place_restart_agent_reads_jobsets_and_patches_pods_only():
@@ -95,6 +96,7 @@ def test_the_in_place_restart_agent_reads_jobsets_and_patches_pods_only():
         ("jobsets", "list"),
         ("jobsets", "watch"),
         ("pods", "patch"),
+        ("inplacerestartagents", "own-pod-only"),  # the mark the admission policy knows its holders by
     }
     [deployment] = [d for d in docs if d["kind"] == "Deployment"]
     args = deployment["spec"]["template"]["spec"]["containers"][0]["args"]
@@ -203,8 +205,30 @@ def test_policy_values_reach_the_operator_and_the_admission_policy_alike():
     }
     assert (default_variables["allowedServiceAccounts"], default_variables["allowedPriorityClasses"]) == ("[]", "[]")
     assert "matchResources" not in _named(defaults, "ValidatingAdmissionPolicyBinding", "tpujob-policy")["spec"]
-    assert not [d for d in render("policy.admissionPolicy.enabled=false") if "Admission" in d["kind"]]
+    # Not a TrainingJob policy: the in-place agent's limit stays.
+    without = {
+        d["metadata"]["name"] for d in render("policy.admissionPolicy.enabled=false") if "Admission" in d["kind"]
+    }
+    assert without == {"tpujob-in-place-agent"}
     assert "must be gs://bucket or gs://bucket/prefix" in refused_render("policy.allowedCheckpointLocations={s3://x}")
+
+
+def test_the_in_place_agent_is_limited_to_its_own_pod_where_the_operator_binds_it():
+    docs = render("watchNamespaces={ml}")
+    policy = _named(docs, "ValidatingAdmissionPolicy", "tpujob-in-place-agent")
+    assert policy["spec"]["failurePolicy"] == "Fail"
+    assert policy["spec"]["matchConstraints"]["resourceRules"] == [
+        {"apiGroups": [""], "apiVersions": ["v1"], "operations": ["UPDATE"], "resources": ["pods"]}
+    ]
+    # Who is limited: the holders of the agent role's mark, by RBAC's own answer.
+    assert "check('own-pod-only')" in policy["spec"]["matchConditions"][1]["expression"]
+    binding = _named(docs, "ValidatingAdmissionPolicyBinding", "tpujob-in-place-agent")
+    assert binding["spec"]["validationActions"] == ["Deny"]
+    assert binding["spec"]["matchResources"]["namespaceSelector"]["matchExpressions"][0]["values"] == ["ml"]
+    assert "matchResources" not in _named(render(), "ValidatingAdmissionPolicyBinding", "tpujob-in-place-agent")["spec"]
+    # Before Kubernetes 1.30 the v1 API does not exist (and InPlace does not run there).
+    old = [d for d in yaml.safe_load_all(helm("template", "tpujob", str(CHART), "--kube-version", "1.29.3")) if d]
+    assert not [d for d in old if d["metadata"]["name"] == "tpujob-in-place-agent"]
 
 
 def test_workload_identity_annotation_and_replicas_with_leader_election():

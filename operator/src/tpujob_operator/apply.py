@@ -8,16 +8,18 @@ holding its name) is recorded as an observation (`JobMemory.refused`) for the ne
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 from collections.abc import Callable
 from typing import Any
 
 from kubernetes.client.exceptions import ApiException
+from tpujob_contract import LABEL_NAME, LABEL_UID
 
 from . import api
 from .facts import Actions, CreationRefused, Event
-from .jobset import InPlaceRestartAction, build_jobset, incarnation_uid
+from .jobset import InPlaceRestartAction, build_jobset, incarnation_uid, owner_reference
 from .kube import Cluster
 from .memory import JobMemory
 from .observe import slim_jobset, without_managed_fields
@@ -28,8 +30,35 @@ log = logging.getLogger("tpujob")
 # Status that differs only in the goodput ledger's clock is written at most this often.
 GOODPUT_WRITE_SECONDS = 60.0
 # What an InPlace attempt's pods may do (read their JobSet, annotate their pod): a ClusterRole the chart
-# installs, bound by the operator to the pods' ServiceAccount in the job's namespace.
+# installs, bound by the operator to the pods' ServiceAccount in the job's namespace, one RoleBinding per
+# job, owned by it (the garbage collector removes it with the job) and deleted when the job ends. The
+# chart's admission policy (templates/inplaceagentpolicy.yaml) limits its pod patch to the caller's own pod.
 IN_PLACE_AGENT_ROLE = "tpujob-in-place-restart-agent"
+MANAGED_BY = {"app.kubernetes.io/managed-by": "tpujob"}
+
+
+def agent_role_binding(tj: api.TrainingJob, role: str) -> dict[str, Any]:
+    """The job's RoleBinding of its pods' ServiceAccount to the agent's ClusterRole. Its name is the job's
+    and a digest of its uid and account: a same-name successor, or a changed account, gets its own."""
+    account = tj.spec.service_account_name or "default"
+    uid = str(tj.metadata["uid"])
+    digest = hashlib.sha256(f"{uid}/{account}".encode()).hexdigest()[:8]
+    return {
+        "apiVersion": "rbac.authorization.k8s.io/v1",
+        "kind": "RoleBinding",
+        "metadata": {
+            "name": f"tpujob-agent-{tj.name}-{digest}",
+            "labels": MANAGED_BY | {LABEL_NAME: tj.name, LABEL_UID: uid},
+            "ownerReferences": [owner_reference(tj)],
+        },
+        "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole", "name": role},
+        "subjects": [{"kind": "ServiceAccount", "name": account, "namespace": tj.namespace}],
+    }
+
+
+def agent_bindings_selector(uid: str) -> str:
+    """The label selector of a job incarnation's agent RoleBindings (all its accounts')."""
+    return ",".join(f"{k}={v}" for k, v in (MANAGED_BY | {LABEL_UID: uid}).items())
 
 
 def changes_the_world(actions: Actions) -> bool:
@@ -164,16 +193,28 @@ class Applier:
 
     def _agent_may_run(self, job: JobMemory, tj: api.TrainingJob) -> bool:
         """Bind the pods' ServiceAccount to the agent's ClusterRole; a refusal is remembered as the JobSet's."""
-        account = tj.spec.service_account_name or "default"
+        binding = agent_role_binding(tj, self.agent_role)
         try:
-            self.cluster().ensure_role_binding(tj.namespace, f"{self.agent_role}-{account}", self.agent_role, account)
+            self.cluster().ensure_role_binding(tj.namespace, binding)
         except ApiException as error:
             if error.status is None or error.status >= 500 or error.status == 429:
                 raise
+            account = binding["subjects"][0]["name"]
             why = f"binding ServiceAccount {account} to ClusterRole {self.agent_role} (JobSet's in-place restart agent)"
             job.refused = CreationRefused(f"{why}: {refusal_message(error)}", error.status)
             return False
         return True
+
+    def unbind_agent(self, tj: api.TrainingJob) -> None:
+        """The job ended: its pods' agent rights go now, not at its deletion (the garbage collector's
+        turn). Told, never required: a failure is logged, and the owner reference still removes them."""
+        if tj.spec.restart.strategy != api.IN_PLACE or not tj.metadata.get("uid"):
+            return
+        try:
+            self.cluster().delete_role_bindings(tj.namespace, agent_bindings_selector(str(tj.metadata["uid"])))
+        except ApiException as error:
+            log.warning("%s/%s: agent RoleBindings not deleted (%s): removed with the job", tj.namespace, tj.name,
+                        error.reason)  # fmt: skip
 
     def post_event(self, body: dict[str, Any], event: Event) -> None:
         """Events are told, never required: one that cannot be posted (a namespace being deleted, an

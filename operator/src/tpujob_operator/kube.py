@@ -242,20 +242,23 @@ class Cluster:
                 return None
             raise
 
-    def ensure_role_binding(self, namespace: str, name: str, cluster_role: str, service_account: str) -> None:
-        """Bind `service_account` to `cluster_role` in `namespace` (RoleBinding `name`), unless one of
-        that name exists. Raises ApiException when the operator may not (403: no `bind` on the role)."""
-        body = {
-            "apiVersion": "rbac.authorization.k8s.io/v1",
-            "kind": "RoleBinding",
-            "metadata": {"name": name, "labels": {"app.kubernetes.io/managed-by": "tpujob"}},
-            "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole", "name": cluster_role},
-            "subjects": [{"kind": "ServiceAccount", "name": service_account, "namespace": namespace}],
-        }
+    def ensure_role_binding(self, namespace: str, binding: dict[str, Any]) -> None:
+        """Create the RoleBinding `binding` in `namespace`, unless one of its name exists. Raises
+        ApiException when the operator may not (403: no `bind` on its role)."""
         try:
-            self._call("POST", f"/apis/rbac.authorization.k8s.io/v1/namespaces/{namespace}/rolebindings", body=body)
+            self._call("POST", f"/apis/rbac.authorization.k8s.io/v1/namespaces/{namespace}/rolebindings", body=binding)
         except ApiException as error:
             if error.status != 409:
+                raise
+
+    def delete_role_bindings(self, namespace: str, label_selector: str) -> None:
+        """Delete the RoleBindings of `namespace` that `label_selector` selects (deletecollection: their
+        names are the operator's own, but which exist is not remembered across restarts)."""
+        path = f"/apis/rbac.authorization.k8s.io/v1/namespaces/{namespace}/rolebindings"
+        try:
+            self._call("DELETE", path, [("labelSelector", label_selector)])
+        except ApiException as error:
+            if error.status != 404:
                 raise
 
     def get_jobset(self, namespace: str, name: str) -> dict[str, Any] | None:

@@ -216,12 +216,12 @@ class Runtime:
         except ValidationError as error:
             return self._release(key, job, uid, self._report_invalid(job, body, error), snapshot)
         if tj.status.phase in TERMINAL_PHASES:
-            return self._release(key, job, uid, tj.status, snapshot)
+            return self._release(key, job, uid, tj.status, snapshot, tj)
         # A job that breaks the policy is refused, unless its attempt already runs: that one goes on
         # (never stopped unsaved by a tightened policy), and the job is not restarted outside the policy.
         problems = policy.violations(tj, self.settings.policy)
         if problems and policy.running_attempt(tj, snapshot.jobsets) is None:
-            return self._release(key, job, uid, self._refuse_for_policy(job, body, tj, problems), snapshot)
+            return self._release(key, job, uid, self._refuse_for_policy(job, body, tj, problems), snapshot, tj)
         observed = self.observer.observe(key, job, tj, snapshot, deciding=False)
         status, actions = reconcile(tj, observed)
         if changes_the_world(actions) or status.phase in TERMINAL_PHASES or actions.fresh_storage:
@@ -230,7 +230,7 @@ class Runtime:
             observed = self.observer.observe(key, job, tj, snapshot, deciding=True)
             status, actions = reconcile(tj, observed)
         if (within := policy.while_running(tj, status, actions, problems, datetime.now(UTC))) is None:
-            return self._release(key, job, uid, self._refuse_for_policy(job, body, tj, problems), snapshot)
+            return self._release(key, job, uid, self._refuse_for_policy(job, body, tj, problems), snapshot, tj)
         status, actions = within
         self._apply(key, job, tj, body, status, actions, observed.queue_name)
         if status.phase != tj.status.phase:
@@ -239,6 +239,7 @@ class Runtime:
                 status.step,
             )  # fmt: skip
         if status.phase in TERMINAL_PHASES:
+            self.applier.unbind_agent(tj)
             if actions.delete or actions.stop:  # watched until its JobSets are gone (`_release`)
                 return actions.requeue_after
             self.forget(key)
@@ -273,9 +274,19 @@ class Runtime:
         self.applier.announce(tj, body, actions)
 
     def _release(
-        self, key: JobKey, job: JobMemory, uid: str | None, status: api.TrainingJobStatus, snapshot: Snapshot
+        self,
+        key: JobKey,
+        job: JobMemory,
+        uid: str | None,
+        status: api.TrainingJobStatus,
+        snapshot: Snapshot,
+        tj: api.TrainingJob | None = None,
     ) -> float | None:
-        """A finished job: delete what is left of it (`reconcile.release`); forgotten once nothing is."""
+        """A finished job: delete what is left of it (`reconcile.release`) and its agent's RoleBindings
+        (`tj`, when it could be read); forgotten once nothing is. A finished job is reconciled only while a
+        JobSet of it is cached (handlers.py), so a restarted operator does not go through every old job."""
+        if tj is not None:
+            self.applier.unbind_agent(tj)
         facts = tuple(jobset_facts(js, []) for js in snapshot.jobsets)
         actions = release(uid, status, facts)
         if not (actions.delete or actions.stop):
