@@ -362,7 +362,8 @@ def test_a_tightened_policy_lets_the_running_attempt_finish_and_never_restarts_i
 def test_a_kueue_priority_relabelled_while_the_job_runs_never_reaches_an_attempt(kube, start_operator, namespace):
     """Issue 30 defect 4, past admission (no policy installed): relabelling a running job `high` changes
     nothing of its JobSet (labelled at creation, never relabelled); the attempt goes on with a
-    PolicyViolation condition, and the next one, which would carry the label, is refused instead."""
+    PolicyViolation condition, and the next one, which would carry the label, is refused instead. A label
+    change makes no new generation: the operator's watch asks for a reconcile on a forbidden one."""
     cluster = Cluster(kube, namespace)
     start_operator(RuntimeSettings(policy=policy.Policy(priority_classes=("low",))))
     cluster.apply(_labelled("relabelled", "low"))

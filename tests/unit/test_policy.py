@@ -136,6 +136,17 @@ def test_a_running_job_relabelled_outside_the_policy_is_warned_and_never_restart
     assert policy.while_running(tj, tj.status, Actions(create_attempt=1), problems, NOW) is None
 
 
+def test_the_watch_reconciles_a_forbidden_priority_label_until_the_status_warns_of_it():
+    """A label change makes no new generation, which alone triggered a reconcile: a job relabelled `high`
+    waited for its next check (for a Pending job, none) before the policy applied."""
+    label = {"kueue.x-k8s.io/priority-class": "high"}
+    warning = [{"type": "PolicyViolation", "status": "True"}]
+    assert policy.unheeded_priority_label(label, [], Policy())
+    assert not policy.unheeded_priority_label(label, warning, Policy())  # decided on already: no loop
+    assert not policy.unheeded_priority_label(label, [], Policy(priority_classes=("high",)))
+    assert not policy.unheeded_priority_label({"team": "high"}, [], Policy())
+
+
 @pytest.mark.parametrize(
     ("directory", "allowed"),
     [

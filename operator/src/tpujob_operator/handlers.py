@@ -25,7 +25,7 @@ from tpujob_contract import (
     LABEL_NAME,
 )
 
-from . import api
+from . import api, policy
 from .nodes import slim_node
 from .observe import slim_jobset, slim_pod, slim_workload, without_managed_fields
 from .runtime import Runtime
@@ -139,9 +139,15 @@ def register(runtime: Runtime, registry: kopf.OperatorRegistry) -> None:
                 runtime.watch(key)
                 runtime.request(key)
             return
-        # New, seen at start-up (type None: the initial listing) or spec changed: reconcile now.
-        # Status-only changes (our own writes) change nothing to decide on.
-        if key not in runtime.watched or meta.get("generation") != status.get("observedGeneration"):
+        # New, seen at start-up (type None: the initial listing) or spec changed: reconcile now; so is a
+        # Kueue priority label outside the policy that the status does not warn of yet (a label change
+        # makes no new generation). Status-only changes (our own writes) change nothing to decide on.
+        if (
+            key not in runtime.watched
+            or meta.get("generation") != status.get("observedGeneration")
+            or policy.unheeded_priority_label(meta.get("labels") or {}, status.get("conditions") or [],
+                                              runtime.settings.policy)
+        ):  # fmt: skip
             runtime.watch(key)
             runtime.request(key)
 

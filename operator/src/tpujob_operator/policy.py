@@ -125,10 +125,8 @@ def violations(tj: TrainingJob, policy: Policy) -> list[str]:
     if priority and not listed(priority, policy.priority_classes):
         found.append(PRIORITY_FORBIDDEN_MESSAGE.format(name=priority, allowed=_names(policy.priority_classes)))
     # Checked with or without a queue: kueue.defaultQueueName queues an unlabelled job too.
-    workload_priority = workload_priority_class(tj)
-    if workload_priority and not listed(workload_priority, policy.priority_classes):
-        allowed_names = _names(policy.priority_classes)
-        found.append(WORKLOAD_PRIORITY_FORBIDDEN_MESSAGE.format(name=workload_priority, allowed=allowed_names))
+    if (label := _priority_label_problem(workload_priority_class(tj), policy)) is not None:
+        found.append(label)
     if not location_allowed(spec.checkpoint.directory, policy.checkpoint_locations):
         allowed = ", ".join(policy.checkpoint_locations)
         found.append(LOCATION_MESSAGE.format(directory=spec.checkpoint.directory, allowed=allowed))
@@ -136,6 +134,19 @@ def violations(tj: TrainingJob, policy: Policy) -> list[str]:
     if secret_refs and not policy.secret_key_ref_allowed:
         found.append(SECRET_MESSAGE.format(names=", ".join(secret_refs)))
     return found
+
+
+def _priority_label_problem(name: str | None, policy: Policy) -> str | None:
+    if not name or listed(name, policy.priority_classes):
+        return None
+    return WORKLOAD_PRIORITY_FORBIDDEN_MESSAGE.format(name=name, allowed=_names(policy.priority_classes))
+
+
+def unheeded_priority_label(labels: Mapping[str, str], conditions: Sequence[Mapping[str, Any]], policy: Policy) -> bool:
+    """Whether the job's Kueue priority label is outside the policy while its status warns of no violation:
+    a label change makes no new generation, so the watch asks for a reconcile on this instead."""
+    warned = any(c.get("type") == REASON and c.get("status") == "True" for c in conditions)
+    return not warned and _priority_label_problem(labels.get(PRIORITY_CLASS_LABEL), policy) is not None
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
