@@ -5,7 +5,7 @@ from datetime import UTC, datetime, timedelta
 
 import tpujob_contract as contract
 from tpujob_operator.api import RestartSpec
-from tpujob_operator.facts import JobSetFacts, Observed, PodFacts
+from tpujob_operator.facts import JobSetFacts, NodeFacts, Observed, PodFacts
 from tpujob_operator.reconcile import reconcile, with_creation_refused
 from tpujob_operator.restarts import backoff
 from tpujob_operator.status import rfc3339
@@ -231,7 +231,8 @@ def test_a_jobset_of_an_earlier_incarnation_is_removed_not_adopted():
     orphan = _jobset(state="Completed", uid="old-uid")
     status, actions = reconcile(tj, Observed(now=T0, jobsets=(orphan,), latest_committed_step=80))
     assert status.phase == "Pending" and actions.create_attempt is None
-    assert actions.delete == ["llama-a0"] and "OrphanRemoved" in [e.reason for e in actions.events]
+    # Its workers are healthy: stopped with their save grace, not killed
+    assert actions.stop == ["llama-a0"] and not actions.delete and "OrphanRemoved" in [e.reason for e in actions.events]
     gone, actions = reconcile(tj, Observed(now=T0, jobsets=(), latest_committed_step=80, foreign_pods=2))
     assert actions.create_attempt is None and _condition(gone, "Pending")[1] == "RemovingOrphans"
     started, actions = reconcile(tj, Observed(now=T0, jobsets=(), latest_committed_step=80))
@@ -307,7 +308,7 @@ def test_a_resume_that_replaces_a_stale_jobset_is_not_announced_as_a_restart():
     tj = training_job(status={"phase": "Suspended", "attempt": 0})
     stale = _jobset(state="Suspended", suspended_by_operator=True)
     status, actions = reconcile(tj, Observed(now=T0, jobsets=(stale,), latest_committed_step=160))
-    assert actions.delete == ["llama-a0"] and status.attempt == 1
+    assert actions.stop == ["llama-a0"] and not actions.delete and status.attempt == 1
     after = training_job(status=status.model_dump(by_alias=True, exclude_none=True))
     created, actions = reconcile(after, Observed(now=T0, latest_committed_step=160))
     assert (actions.create_attempt, actions.resume_step) == (1, 160)
@@ -485,3 +486,96 @@ def test_recovery_is_not_measured_before_the_attempt_trains_past_the_step_it_res
     trained = _progress(step=62, attempt=1, at=first_step_at, restored_step=61, first_step_at=rfc3339(first_step_at))
     status = observe(status, trained, first_step_at)
     assert status.last_failure.recovery_seconds == 35.0
+
+
+# --- the third round: no overlap, no cut save, evictions counted (issue 30) -------------------------------
+
+
+def _with_peer_on(node: str, finished=T0):
+    crashed = PodFacts("w0", 0, "Failed", exit_code=1, reason="Error", finished_at=finished, node="n0")
+    peer = PodFacts("w1", 1, "Running", created=T0, scheduled_at=T0, node=node)
+    return _jobset(pods=(crashed, peer), expected_pods=2)
+
+
+def test_a_restart_starts_no_attempt_while_a_worker_of_the_failed_one_may_still_write():
+    tj = _running(restart={"backoffSeconds": 0, "maxRestarts": 5})
+    nodes = {"n0": NodeFacts("n0", ready="True"), "n1": NodeFacts("n1", ready="Unknown")}
+    later = T0 + timedelta(seconds=90)  # past the nodes' verdict wait: the failure is decided
+    status, actions = reconcile(tj, Observed(now=later, jobsets=(_with_peer_on("n1"),), nodes=nodes))
+    # The peer is on an unreachable node: its trainer may still save into the run directory.
+    assert actions.delete == ["llama-a0"] and actions.create_attempt is None and status.attempt == 1
+    assert "1 worker pods of the previous attempt" in _condition(status, "Restarting")[2]
+    after = training_job(restart={"backoffSeconds": 0, "maxRestarts": 5}, status=status.model_dump(by_alias=True))
+    still, actions = reconcile(after, Observed(now=later, earlier_pods=1, nodes=nodes))
+    assert actions.create_attempt is None and actions.requeue_after == 2.0
+    assert _condition(still, "Restarting")[1] == _condition(status, "Restarting")[1]  # the failure's reason stays
+    _, actions = reconcile(after, Observed(now=later, earlier_pods=0, nodes=nodes, latest_committed_step=40))
+    assert (actions.create_attempt, actions.resume_step) == (1, 40)
+
+
+def test_a_restart_with_no_backoff_goes_on_at_once_when_the_failed_attempts_workers_are_gone():
+    tj = _running(restart={"backoffSeconds": 0, "maxRestarts": 5})
+    nodes = {"n0": NodeFacts("n0", ready="True")}  # n1 is gone: nothing runs there any more
+    status, actions = reconcile(
+        tj, Observed(now=T0 + timedelta(seconds=90), jobsets=(_with_peer_on("n1"),), nodes=nodes)
+    )
+    assert actions.delete == ["llama-a0"] and actions.create_attempt == 1 and status.attempt == 1
+
+
+def test_resuming_a_suspension_waits_for_the_suspensions_save_and_never_cuts_it():
+    tj = training_job(status={"phase": "Suspended", "attempt": 0})
+    saving = PodFacts("w0", 0, "Running", created=T0, scheduled_at=T0, node="n0")
+    stale = _jobset(state="Suspended", suspended_by_operator=True, pods=(saving,))
+    status, actions = reconcile(tj, Observed(now=T0, jobsets=(stale,), latest_committed_step=160))
+    assert not (actions.delete or actions.stop or actions.set_suspend) and status.attempt == 0
+    assert _condition(status, "Pending")[1:] == (
+        "Resuming",
+        "waiting for 1 worker pods of JobSet llama-a0 to finish the suspension's save",
+    )
+    saved = _jobset(state="Suspended", suspended_by_operator=True)
+    status, actions = reconcile(tj, Observed(now=T0, jobsets=(saved,), latest_committed_step=170))
+    assert actions.stop == ["llama-a0"] and not actions.delete and status.attempt == 1
+
+
+def test_an_earlier_attempt_left_by_a_dead_operator_is_stopped_unless_it_failed():
+    tj = training_job(status={"phase": "Pending", "attempt": 1})
+    healthy, failed = _jobset(attempt=0), _jobset(attempt=0, state="Failed")
+    _, actions = reconcile(tj, Observed(now=T0, jobsets=(healthy,)))
+    assert actions.stop == ["llama-a0"] and not actions.delete
+    _, actions = reconcile(tj, Observed(now=T0, jobsets=(failed,)))
+    assert actions.delete == ["llama-a0"] and not actions.stop
+
+
+def test_a_node_pressure_eviction_is_the_jobs_own_and_counts():
+    tj = _running(restart={"maxRestarts": 5})
+    evicted = PodFacts(
+        "w0",
+        0,
+        "Failed",
+        exit_code=137,
+        reason="Error",
+        pod_reason="Evicted",
+        pod_message="The node was low on resource: memory.",
+        disruption_reason="TerminationByKubelet",
+        finished_at=T0,
+    )
+    status, _ = reconcile(tj, Observed(now=T0, jobsets=(_jobset(state="Failed", pods=(evicted,)),)))
+    failure = status.last_failure
+    assert failure is not None and (failure.kind, failure.reason, failure.counted) == (
+        "ApplicationError",
+        "Evicted",
+        True,
+    )
+    assert "node pressure: The node was low on resource: memory." in failure.message
+    assert status.counted_restarts == 1
+    shutdown = PodFacts(
+        "w0",
+        0,
+        "Failed",
+        exit_code=143,
+        pod_reason="Terminated",
+        disruption_reason="TerminationByKubelet",
+        finished_at=T0,
+    )
+    status, _ = reconcile(tj, Observed(now=T0, jobsets=(_jobset(state="Failed", pods=(shutdown,)),)))
+    assert status.last_failure is not None and not status.last_failure.counted  # a node shutdown is not the job's

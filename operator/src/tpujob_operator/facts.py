@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Container, Mapping
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Literal
@@ -11,6 +11,13 @@ import tpujob_contract as contract
 
 JobSetState = Literal["Active", "Suspended", "Completed", "Failed"]
 POD_ENDED_PHASES = ("Succeeded", "Failed")  # a pod in either has ended for good
+
+
+def may_still_run(phase: str | None, node: str | None, nodes: Container[str] | None) -> bool:
+    """Whether a worker pod's trainer may still run, and so write its run directory: it has not ended
+    and is bound to a node that exists (`nodes`: the names known to exist; None: unknown, any node
+    counts). A pod deleted but not ended still runs: its kubelet may be unreachable, its save in flight."""
+    return phase not in POD_ENDED_PHASES and node is not None and (nodes is None or node in nodes)
 
 
 @dataclass(frozen=True)
@@ -22,6 +29,8 @@ class PodFacts:
     phase: str
     exit_code: int | None = None
     reason: str | None = None  # container terminated reason (Error, OOMKilled, ...) or pod reason
+    pod_reason: str | None = None  # the pod's own status.reason (Evicted, Terminated, NodeLost, ...)
+    pod_message: str | None = None  # ... and status.message ("The node was low on resource: memory. ...")
     disruption_reason: str | None = None  # DisruptionTarget condition reason, if any
     disruption_since: datetime | None = None  # ... and its lastTransitionTime
     finished_at: datetime | None = None

@@ -398,6 +398,8 @@ def pod_facts(pod: dict[str, Any]) -> PodFacts:
         phase=status.get("phase", "Pending"),
         exit_code=terminated.get("exitCode"),
         reason=terminated.get("reason") or status.get("reason"),
+        pod_reason=status.get("reason"),
+        pod_message=status.get("message"),
         disruption_reason=disruption.get("reason") if disruption else None,
         disruption_since=parse_time(disruption.get("lastTransitionTime")) if disruption else None,
         finished_at=parse_time(terminated.get("finishedAt")),

@@ -19,7 +19,7 @@ import tpujob_contract as contract
 from tpujob_contract import LABEL_ATTEMPT, QUEUE_LABEL
 
 from . import api, checkpoints, elastic, frameworks, nodes
-from .facts import POD_ENDED_PHASES, JobSetFacts, NodeFacts, Observed
+from .facts import POD_ENDED_PHASES, JobSetFacts, NodeFacts, Observed, may_still_run
 from .jobset import expected_pods, incarnation_uid, jobset_facts, queue_name, workload_admission
 from .kube import Cluster
 from .memory import JobMemory, Lookup
@@ -176,13 +176,12 @@ def snapshot(key: JobKey, indexes: Indexes, job: JobMemory | None) -> Snapshot |
 
 
 def _earlier_and_running(pod: Mapping[str, Any], attempt: int, nodes: Mapping[str, Any] | None) -> bool:
-    """A worker pod of an attempt before `attempt` that may still run its trainer: not ended, and bound
-    to a node that exists (`nodes`: those under the job's pods; None: no node index, any node counts)."""
+    """A worker pod of an attempt before `attempt` that may still run its trainer (facts.may_still_run;
+    `nodes`: those under the job's pods; None: no node index, any node counts)."""
     label = str((pod.get("metadata", {}).get("labels") or {}).get(LABEL_ATTEMPT, ""))
-    ended = (pod.get("status") or {}).get("phase") in POD_ENDED_PHASES
-    node = (pod.get("spec") or {}).get("nodeName")
-    on_a_node = node is not None and (nodes is None or node in nodes)
-    return label.isdigit() and int(label) < attempt and not ended and on_a_node
+    phase = (pod.get("status") or {}).get("phase")
+    running = may_still_run(phase, (pod.get("spec") or {}).get("nodeName"), nodes)
+    return label.isdigit() and int(label) < attempt and running
 
 
 def _nodes_under(indexes: Indexes, pods: Iterable[dict[str, Any]]) -> dict[str, dict[str, Any]] | None:

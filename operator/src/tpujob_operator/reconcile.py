@@ -33,7 +33,7 @@ from .api import (
     TrainingJob,
     TrainingJobStatus,
 )
-from .facts import Actions, CreationRefused, Event, JobSetFacts, Observed, PodFacts
+from .facts import Actions, CreationRefused, Event, JobSetFacts, Observed, PodFacts, may_still_run
 from .jobset import jobset_name
 from .nodes import pods_on_gone_nodes, recorded_pods_on_gone_nodes
 from .restarts import (
@@ -67,6 +67,8 @@ RECHECK_SECONDS = 60.0  # nothing is expected: a safety net
 STARTUP_CHECK_SECONDS = 5.0  # the first step of a started attempt is expected any moment
 STORAGE_RETRY_SECONDS = 10.0  # storage could not be read: try again soon
 STORAGE_CONDITION = "CheckpointStorageReachable"
+PREVIOUS_ATTEMPT_CHECK_SECONDS = 2.0  # an earlier attempt's workers are ending: look again soon
+PREVIOUS_ATTEMPT_ENDING = "PreviousAttemptEnding"
 # Attempts that fail in a row because the workers cannot reach checkpoint storage (exit 3, after the
 # trainer's own 600 s wait) are restarted, uncounted, for this long from the first; then the job fails.
 STORAGE_OUTAGE_LIMIT_SECONDS = 3600
@@ -163,14 +165,12 @@ def _decide(tj: TrainingJob, observed: Observed) -> tuple[TrainingJobStatus, Act
     status.attempt = attempt
     status.job_set_name = jobset_name(tj.name, attempt)
     current = next((js for js in live if js.attempt == attempt), None)
-    older = [js.name for js in live if js.attempt < attempt]
-    if (tj.spec.suspend and observed.queue_name) or _growing(status):
-        # A queued job's suspension deletes its JobSet with the workers' save grace (see _queued), and so
-        # does a job growing to more slices; if the operator died after writing the new attempt, the
-        # delete is finished the same way.
-        actions.stop = older
-    else:
-        actions.delete = older
+    # An earlier attempt still alive: the operator died between writing the next attempt and removing
+    # it. Only a failed one's workers go at once (they cannot save without their failed peer); any other
+    # (a suspension, a resize, a resume that replaced a stale pin) stops with the workers' save grace.
+    older = [js for js in live if js.attempt < attempt]
+    actions.delete = [js.name for js in older if js.state == "Failed"]
+    actions.stop = [js.name for js in older if js.state != "Failed"]
     status = _with_storage(status, observed, actions)
     restored_before = status.resumed_from_step
     status = with_observations(status, observed)
@@ -313,8 +313,8 @@ def _remove_foreign(
     write the same run directory: remove them, and start only when they and their pods are gone."""
     actions.requeue_after = 2.0
     for js in foreign:
-        if not js.deleting:
-            actions.delete.append(js.name)
+        if not js.deleting:  # its workers are healthy: they get their save grace
+            actions.stop.append(js.name)
             actions.events.append(
                 Event("Normal", "OrphanRemoved", f"deleted JobSet {js.name} of an earlier TrainingJob named {tj.name}")
             )
@@ -336,12 +336,18 @@ def _without_jobset(
         message = f"waiting for {observed.foreign_pods} worker pods of an earlier TrainingJob of this name to end"
         return _enter(status, "Pending", "RemovingOrphans", message, "Scheduling", now), actions
     resizing = _phase_reason(status) == elastic.RESIZING
-    if resizing and observed.earlier_pods:
-        # The stopped workers save on SIGTERM: the resized attempt restores what they commit, and never
-        # writes the run directory beside them.
-        actions.requeue_after = 2.0
-        message = f"waiting for {observed.earlier_pods} worker pods of the previous attempt to save and stop"
-        return _enter(status, "Restarting", elastic.RESIZING, message, "Scheduling", now), actions
+    if ending := observed.earlier_pods + _still_running_before(status.attempt, observed):
+        # Two attempts never run against one run directory: the new trainer's start-up removes every
+        # uncommitted step directory, an older trainer's save in flight among them (its commit would
+        # then be damaged), and an older trainer's progress record would overwrite the new one. The
+        # stopped workers save on SIGTERM first, and the next attempt restores what they commit.
+        actions.requeue_after = PREVIOUS_ATTEMPT_CHECK_SECONDS
+        message = f"waiting for {ending} worker pods of the previous attempt to save and stop"
+        if resizing:
+            return _enter(status, "Restarting", elastic.RESIZING, message, "Scheduling", now), actions
+        reason = _phase_reason(status) or PREVIOUS_ATTEMPT_ENDING  # a Resuming or a failure's reason is kept
+        waiting = with_phase(status, status.phase or "Pending", reason, message, now)
+        return _staged(waiting, "Scheduling", now), actions
     # Without storage the latest committed step is unknown: leave the choice to the trainer (-1),
     # which waits for storage at start and then restores the latest committed step itself.
     latest = observed.latest_committed_step if observed.storage_error is None else None
@@ -376,6 +382,18 @@ def _without_jobset(
         Event("Normal", "Restored", f"attempt {status.attempt}: JobSet {status.job_set_name} resumes {where}")
     )
     return with_phase(status, "Restarting", "Restoring", f"attempt {status.attempt} resumes {where}", now), actions
+
+
+def _still_running(pods: tuple[PodFacts, ...], observed: Observed) -> int:
+    """How many of `pods` may still run their trainer (facts.may_still_run)."""
+    names = observed.nodes.keys() if observed.nodes is not None else None
+    return sum(1 for p in pods if may_still_run(p.phase, p.node, names))
+
+
+def _still_running_before(attempt: int, observed: Observed) -> int:
+    """Workers of attempts before `attempt` that the JobSets observed hold and that may still run (the
+    attempt observed current, which this very decision replaced; observed.earlier_pods has the rest)."""
+    return sum(_still_running(js.pods, observed) for js in observed.jobsets if js.attempt < attempt)
 
 
 def _with_later_resume_point(status: TrainingJobStatus, latest: int | None) -> None:
@@ -451,6 +469,12 @@ def _suspension(
         # Someone else (a queueing system) suspended it: its decision stands until it resumes the JobSet.
         message = f"JobSet {current.name} was suspended by another controller; training resumes when it is resumed"
         return _enter(status, "Suspended", "SuspendedExternally", message, "Suspended", now), actions
+    if saving := _still_running(current.pods, observed):
+        # The suspension's workers are still making their save: resuming now would start new workers
+        # beside them, and replacing the JobSet would cut the save short.
+        actions.requeue_after = PREVIOUS_ATTEMPT_CHECK_SECONDS
+        message = f"waiting for {saving} worker pods of JobSet {current.name} to finish the suspension's save"
+        return _enter(status, "Pending", "Resuming", message, "Suspended", now), actions
     latest = _known_latest_step(status, observed)
     if current.resume_step == latest or observed.storage_error is not None:
         actions.set_suspend = (current.name, False)
@@ -459,7 +483,7 @@ def _suspension(
         # with a fresh attempt. Not a restart: nothing failed.
         status.attempt += 1
         status.job_set_name = jobset_name(tj.name, status.attempt)
-        actions.delete.append(current.name)
+        actions.stop.append(current.name)
     actions.events.append(Event("Normal", "Resumed", "spec.suspend is false: resuming"))
     return _enter(status, "Pending", "Resuming", "resuming after suspension", "Scheduling", now), actions
 
@@ -602,16 +626,6 @@ def _while_active(
     if status.phase != "Running":
         actions.events.append(Event("Normal", "Running", f"attempt {status.attempt} is training (step {status.step})"))
     return with_phase(status, "Running", "Training", f"training at step {status.step}", now), actions
-
-
-def _growing(status: TrainingJobStatus) -> bool:
-    resize = status.last_resize
-    return (
-        _phase_reason(status) == elastic.RESIZING
-        and resize is not None
-        and resize.attempt == status.attempt
-        and resize.to_slices > resize.from_slices
-    )
 
 
 def _shrunk(

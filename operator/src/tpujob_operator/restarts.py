@@ -49,12 +49,13 @@ _NEVER_COUNTED: frozenset[FailureKind] = frozenset(
 _INFRASTRUCTURE_DISRUPTIONS: dict[str, FailureKind] = {
     "PreemptionByScheduler": "Preemption",
     "EvictionByEvictionAPI": "Preemption",  # drain for maintenance / upgrade
-    "TerminationByKubelet": "Preemption",  # node shutdown / spot reclaim
+    "TerminationByKubelet": "Preemption",  # node shutdown / spot reclaim (a node-pressure eviction: classify_pod)
     "DeletionByTaintManager": "NodeLost",  # node NotReady / unreachable
     "DeletionByPodGC": "NodeLost",  # node object deleted
     NODE_GONE_DISRUPTION: "NodeLost",  # node object deleted, marked by the operator ahead of the pod GC
 }
 _NODE_LOST_POD_REASONS = {"NodeLost", "NodeShutdown", "Terminated"}
+NODE_PRESSURE_EVICTION = "Evicted"  # the pod's status.reason after the kubelet's node-pressure eviction
 # Kinds that blame the job, which the nodes under its pods can show to be the infrastructure's (nodes.py).
 _NODE_ATTRIBUTABLE: frozenset[FailureKind] = frozenset({"ApplicationError", "Unknown"})
 
@@ -71,6 +72,18 @@ class Failure:
 
 def classify_pod(pod: PodFacts) -> Failure | None:
     """Why one pod failed, or None if it did not."""
+    if pod.pod_reason == NODE_PRESSURE_EVICTION:
+        # The kubelet's node-pressure eviction (its DisruptionTarget says TerminationByKubelet, as a node
+        # shutdown's does): on a node the job holds alone, the pressure is the job's own (its memory, its
+        # local checkpoint tier's tmpfs, its disk), so it counts.
+        said = f": {pod.pod_message}" if pod.pod_message else ""
+        return Failure(
+            "ApplicationError",
+            NODE_PRESSURE_EVICTION,
+            f"pod {pod.name} was evicted by its kubelet under node pressure{said}",
+            pod.slice,
+            pod.finished_at or pod.disruption_since,
+        )
     if pod.disruption_reason in _INFRASTRUCTURE_DISRUPTIONS:
         kind = _INFRASTRUCTURE_DISRUPTIONS[pod.disruption_reason]
         return Failure(
