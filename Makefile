@@ -10,7 +10,7 @@ PY := $(VENV)/bin/python
 DEPS_STAMP := $(VENV)/.deps-$(shell cat requirements-dev.txt contract/pyproject.toml operator/pyproject.toml trainer_image/pyproject.toml devcluster/pyproject.toml | sha1sum | cut -c1-12)
 PYTEST_ARGS ?=
 
-.PHONY: setup venv binaries tools prometheus maxtext-venv checkov-venv docs-venv crds lint test test-unit test-integration test-trainer test-e2e up down demo bench bench-recovery bench-scale bench-elastic clean
+.PHONY: setup venv binaries tools prometheus maxtext-venv checkov-venv docs-venv crds lint test test-unit test-integration test-trainer test-e2e sim up down demo bench bench-recovery bench-scale bench-elastic clean
 
 setup: venv binaries tools prometheus
 
@@ -90,6 +90,13 @@ test-trainer: venv
 
 test-e2e: setup maxtext-venv
 	$(PY) -m pytest tests/e2e $(PYTEST_ARGS)
+
+# The simulation tier alone, as large as you like (make test runs 2,000 derandomized schedules):
+# docs/concepts/invariants.md. SEED unset: the same schedules every run.
+SCHEDULES ?= 20000
+SEED ?=
+sim: venv
+	SIM_SCHEDULES=$(SCHEDULES) SIM_SEED=$(SEED) $(PY) -m pytest tests/sim $(PYTEST_ARGS)
 
 up: setup
 	$(PY) -m tpujob_devcluster up

@@ -1,0 +1,121 @@
+"""The operator's promises (docs/concepts/invariants.md), checked against the simulated world after
+every second. Each returns the violations it finds, as sentences; none is a pass."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from tpujob_operator.jobset import jobset_name
+from tpujob_operator.nodes import NODE_FAILURE_WINDOW_SECONDS
+
+from .control import Decision, Operator
+from .world import Fault, World
+
+# How long a job that ended Failed, or was deleted, may still hold a JobSet or a pod (invariant 6).
+RELEASE_SECONDS = 60
+EFFECT_ORDER = ("ends", "stalls", "signals")  # which fault a failure is put down to first
+
+
+@dataclass
+class Watch:
+    """What the checks remember between seconds."""
+
+    ever_committed: set[int] = field(default_factory=set)
+    ended_at: int | None = None  # Failed, or deleted
+    checked_decisions: int = 0
+
+
+def check(world: World, operator: Operator, watch: Watch) -> list[str]:
+    found: list[str] = []
+    found += _checkpoints_kept(world, watch)
+    found += [f"2. attempts overlap: {o}" for o in world.truth.overlaps]
+    found += _save_grace(world, operator)
+    found += _failures_charged_truly(world, operator, watch)
+    found += _released(world, watch)
+    found += _succeeded_only_when_committed(world)
+    found += [f"9. a restarted operator decides otherwise: {m}" for m in operator.mismatches]
+    return found
+
+
+def _checkpoints_kept(world: World, watch: Watch) -> list[str]:
+    """1. No committed step is removed except by the preservation policy; none is damaged."""
+    storage = world.storage
+    watch.ever_committed |= storage.committed
+    found = [f"1. committed step {s} was damaged (written by two trainers)" for s in sorted(storage.damaged)]
+    lost = watch.ever_committed - storage.committed - storage.removed_by_keep
+    found += [f"1. committed step {s} was removed outside the preservation policy" for s in sorted(lost)]
+    return found
+
+
+def _phase(world: World) -> str | None:
+    return None if world.training_job is None else (world.training_job.get("status") or {}).get("phase")
+
+
+def _save_grace(world: World, operator: Operator) -> list[str]:
+    """3. A stop that is not a give-up gives the workers their save grace: no healthy trainer is killed in
+    the middle of its SIGTERM save while the job is not Failed."""
+    if _phase(world) == "Failed":
+        return []
+    return [f"3. save cut short: {k}" for k in world.truth.killed_saving]
+
+
+def _failures_charged_truly(world: World, operator: Operator, watch: Watch) -> list[str]:
+    """4 and 8. A failure the job caused is counted; an infrastructure failure never is."""
+    found: list[str] = []
+    for decision in operator.decisions[watch.checked_decisions :]:
+        found += _charged(world, decision)
+    watch.checked_decisions = len(operator.decisions)
+    return found
+
+
+def _charged(world: World, decision: Decision) -> list[str]:
+    before, after = decision.before, decision.status
+    failure = after.last_failure
+    if failure is None or (before.last_failure is not None and before.last_failure.time == failure.time):
+        return []
+    if decision.applied == 0:
+        return []  # the operator died before it wrote the record: the next one decides again
+    name = jobset_name(world.training_job_name, before.attempt)
+    runs = sorted(run for js, run in world.truth.faults if js == name)
+    if not runs:
+        return []  # a failure the world did not inject (a timeout): no truth to hold it to
+    causes = _causes(world.truth.faults[(name, runs[-1])])
+    what = " or ".join(f"{f.what} ({f.cause})" for f in causes)
+    if all(f.cause == "job" for f in causes) and not failure.counted:
+        return [f"4. t={decision.time}: {what} recorded as {failure.kind}/{failure.reason}, not counted"]
+    if all(f.cause == "infrastructure" for f in causes) and failure.counted:
+        return [f"8. t={decision.time}: {what} charged as {failure.kind}/{failure.reason}"]
+    return []
+
+
+def _causes(faults: list[Fault]) -> list[Fault]:
+    """What a failure may fairly be put down to: the first fault that ended a process (else the first
+    that stalled it, else the first node signal), and every fault of the other side before it or within
+    the nodes' evidence window after it (a crash beside a node that went away or unreachable may be
+    either's: the operator gives the job the benefit of the doubt)."""
+    first = min(faults, key=lambda f: (EFFECT_ORDER.index(f.effect), f.time))
+    latest = first.time + NODE_FAILURE_WINDOW_SECONDS
+    return [first, *(f for f in faults if f.cause != first.cause and f.time <= latest)]
+
+
+def _released(world: World, watch: Watch) -> list[str]:
+    """6. A job that ended Failed, or was deleted, holds no JobSet and no pod RELEASE_SECONDS later (a pod
+    on a node its kubelet cannot hear from is the node's to end)."""
+    if watch.ended_at is None and (world.training_job is None or _phase(world) == "Failed"):
+        watch.ended_at = world.now
+    if watch.ended_at is None or world.now - watch.ended_at < RELEASE_SECONDS:
+        return []
+    held = [js.name for js in world.live_jobsets()]
+    held += [
+        p.name
+        for p in world.live_pods()
+        if not p.ended() and (p.node is None or (world.nodes[p.node].exists and world.nodes[p.node].reachable))
+    ]
+    return [f"6. t={world.now}: ended at {watch.ended_at}, still holds {held}"] if held else []
+
+
+def _succeeded_only_when_committed(world: World) -> list[str]:
+    """7. Succeeded only when the final step is committed."""
+    if _phase(world) != "Succeeded" or world.config.final_step in world.storage.committed:
+        return []
+    return [f"7. t={world.now}: Succeeded without the final step {world.config.final_step} committed"]

@@ -1,0 +1,104 @@
+"""A fault schedule: events at times, drawn by Hypothesis (so a violation shrinks to a short one), and
+the run of one schedule through the world and the operator."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from hypothesis import strategies as st
+
+from .control import Operator
+from .invariants import Watch, check
+from .world import Config, World
+
+Kind = Literal[
+    "crash",
+    "evict_for_memory",
+    "node_shutdown",
+    "node_lost",
+    "partition",
+    "heal_partitions",
+    "auto_repair",
+    "hang",
+    "other_tenant",
+    "storage_outage",
+    "suspend",
+    "unsuspend",
+    "delete_job",
+    "operator_crash",
+    "wait",
+]
+KINDS: tuple[Kind, ...] = Kind.__args__  # type: ignore[attr-defined]
+TAIL_SECONDS = 240  # after the last event: long enough for every release and restart to play out
+
+
+@dataclass(frozen=True)
+class Event:
+    kind: Kind
+    arg: int  # which pod, pool, how many seconds or API calls
+    after: int  # seconds of the world between this event and the next
+
+    def __repr__(self) -> str:
+        return f"Event({self.kind!r}, {self.arg}, {self.after})"
+
+
+events = st.builds(Event, st.sampled_from(KINDS), st.integers(0, 60), st.integers(0, 40))
+schedules = st.lists(events, max_size=14)
+configs = st.builds(
+    Config,
+    save_seconds=st.integers(1, 12),
+    backoff_seconds=st.sampled_from([0, 0, 5]),
+    spare_pools=st.integers(0, 2),
+    max_restarts=st.integers(0, 4),
+)
+
+
+def training_job(config: Config) -> dict[str, Any]:
+    return {
+        "apiVersion": "tpujob.dev/v1alpha1",
+        "kind": "TrainingJob",
+        "metadata": {"name": "llama", "namespace": "ml", "uid": "uid-1", "generation": 1},
+        "spec": {
+            "image": "trainer:1",
+            "args": ["--steps", str(config.final_step)],
+            "tpu": {"accelerator": "tpu-v5-lite-podslice", "topology": "2x2", "slices": config.slices},
+            "checkpoint": {"directory": "gs://bucket/runs", "keep": {"latest": config.keep}},
+            "restart": {
+                "maxRestarts": config.max_restarts,
+                "backoffSeconds": config.backoff_seconds,
+                "hangTimeoutSeconds": config.hang_timeout_seconds,
+            },
+        },
+        "status": {},
+    }
+
+
+def apply(world: World, operator: Operator, event: Event) -> None:
+    if event.kind in ("crash", "evict_for_memory", "node_shutdown", "node_lost", "partition", "hang"):
+        getattr(world, event.kind)(event.arg)
+    elif event.kind in ("heal_partitions", "auto_repair", "delete_job"):
+        getattr(world, event.kind)()
+    elif event.kind == "other_tenant":
+        world.other_tenant(event.arg % (world.config.slices + world.config.spare_pools), 10 + 10 * event.arg)
+    elif event.kind == "storage_outage":
+        world.storage_outage(5 * event.arg)
+    elif event.kind in ("suspend", "unsuspend"):
+        world.set_job_suspend(event.kind == "suspend")
+    elif event.kind == "operator_crash":
+        operator.crash_after = event.arg % 4
+
+
+def run(config: Config, schedule: list[Event]) -> list[str]:
+    """The schedule's violations (the first second that has any), or none."""
+    world = World(config, training_job(config))
+    operator = Operator(world)
+    watch = Watch()
+    for event in [*schedule, Event("wait", 0, TAIL_SECONDS)]:
+        apply(world, operator, event)
+        for _ in range(event.after + 1):
+            world.tick()
+            operator.maybe_reconcile()
+            if found := check(world, operator, watch):
+                return found
+    return []

@@ -1,0 +1,689 @@
+"""The world around the operator, modelled: the apiserver's objects, the JobSet controller, the
+scheduler and the nodes, the kubelet, the trainer's processes and checkpoint storage.
+
+Only the world is modelled. The operator's own code decides: the real JobSet builder and decoders
+(jobset.build_jobset, jobset_facts, pod_facts), the real observation rule for earlier attempts' pods
+(observe), the real `reconcile` with its status and policy functions. The model is deterministic: one
+schedule of events always gives one history.
+
+What it models, and how coarsely:
+- time in whole seconds; the operator reconciles on every change of what it watches and when its
+  requeue is due, as the real runtime's watch and schedule do;
+- one node per TPU node pool, one host per slice; the scheduler binds a pod to a free pool (exclusive
+  placement: a pool holding any pod that has not ended is not free, another tenant may hold one);
+- a pod's deletion gives its trainer the deletion's grace, then SIGKILL; a pod on a partitioned node
+  is never seen to end (the apiserver cannot hear its kubelet) while its trainer runs on;
+- a trainer group is the processes of one JobSet run: they start when all are Running, clean the
+  run directory's uncommitted step directories (Orbax's start-up), restore the newest committed step
+  (the pin rule: that step or a newer one), train one step a second, save asynchronously every
+  `save_every` steps (a save commits `save_seconds` later, unless its directory was removed under it:
+  then the step is committed but damaged), keep the newest `keep` committed steps, write the progress
+  record, save their step on SIGTERM when all of them are healthy, and exit 0 after the final step;
+- storage can be unreadable to the operator.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from datetime import UTC, datetime, timedelta
+from typing import Any, Literal
+
+import tpujob_contract as contract
+from tpujob_contract import ANNOTATION_RESUME_STEP, JOB_INDEX_ANNOTATION, LABEL_ATTEMPT, LABEL_UID
+from tpujob_operator.jobset import TERMINATION_GRACE_SECONDS
+
+T0 = datetime(2026, 1, 1, tzinfo=UTC)
+
+Cause = Literal["job", "infrastructure"]
+# What a fault does to the trainer: ends one of its processes, stops its progress (a hang), or neither
+# (a partitioned node's process trains on: only the node's signals show it).
+Effect = Literal["ends", "stalls", "signals"]
+# What the kubelet writes on the pods it ends itself.
+POD_MESSAGES = {
+    "Evicted": "The node was low on resource: memory. Threshold quantity: 100Mi, available: 51Mi.",
+    "Terminated": "Pod was terminated in response to imminent node shutdown.",
+}
+
+
+def at(second: int) -> datetime:
+    return T0 + timedelta(seconds=second)
+
+
+def stamp(second: int) -> str:
+    return contract.format_time(at(second))
+
+
+@dataclass
+class Node:
+    name: str
+    pool: int
+    exists: bool = True
+    reachable: bool = True  # False: partitioned, its kubelet cannot reach the apiserver (NotReady)
+    tenant_until: int = -1  # another tenant's pod holds the pool until then
+    deleted_at: int = 0
+    unreachable_since: int = 0
+
+
+@dataclass
+class Pod:
+    name: str
+    jobset: str
+    attempt: int
+    uid: str
+    slice: int
+    run: int  # the JobSet's run (a resumed JobSet starts a new one): the trainer group
+    created: int
+    node: str | None = None
+    phase: str = "Pending"
+    scheduled_at: int | None = None
+    running_at: int | None = None
+    exit_code: int | None = None
+    reason: str | None = None  # container terminated reason or pod reason (Evicted, Terminated)
+    disruption: str | None = None  # DisruptionTarget reason
+    finished_at: int | None = None
+    deleting_until: int | None = None  # deletion asked: SIGKILL at this second
+    process_alive: bool = False  # its trainer process runs (it can write to storage)
+    gone: bool = False  # removed from the apiserver
+
+    def ended(self) -> bool:
+        return self.phase in ("Succeeded", "Failed")
+
+    def body(self) -> dict[str, Any]:
+        """The pod as the apiserver returns it (the fields jobset.pod_facts and observe read)."""
+        conditions: list[dict[str, Any]] = []
+        if self.scheduled_at is not None:
+            conditions.append(
+                {"type": "PodScheduled", "status": "True", "lastTransitionTime": stamp(self.scheduled_at)}
+            )
+        if self.disruption is not None:
+            conditions.append(
+                {
+                    "type": "DisruptionTarget",
+                    "status": "True",
+                    "reason": self.disruption,
+                    "lastTransitionTime": stamp(self.finished_at or self.created),
+                }
+            )
+        state: dict[str, Any] = {}
+        if self.exit_code is not None:
+            # The kubelet ends an evicted or shut-down pod's container like any other kill.
+            container_reason = "Error" if self.reason in ("Evicted", "Terminated") else self.reason
+            terminated: dict[str, Any] = {"exitCode": self.exit_code, "finishedAt": stamp(self.finished_at or 0)}
+            if container_reason:
+                terminated["reason"] = container_reason
+            state = {"terminated": terminated}
+        elif self.phase == "Running":
+            state = {"running": {}}
+        status: dict[str, Any] = {
+            "phase": self.phase,
+            "conditions": conditions,
+            "containerStatuses": [{"name": "trainer", "state": state, "restartCount": 0}],
+        }
+        if self.reason in POD_MESSAGES:  # the kubelet's pod-level reasons
+            status["reason"], status["message"] = self.reason, POD_MESSAGES[self.reason]
+        metadata: dict[str, Any] = {
+            "name": self.name,
+            "namespace": "ml",
+            "creationTimestamp": stamp(self.created),
+            "labels": {LABEL_ATTEMPT: str(self.attempt), LABEL_UID: self.uid, JOB_INDEX_ANNOTATION: str(self.slice)},
+            "annotations": {JOB_INDEX_ANNOTATION: str(self.slice)},
+        }
+        if self.deleting_until is not None:
+            metadata["deletionTimestamp"] = stamp(self.deleting_until)
+        spec = {"nodeName": self.node} if self.node else {}
+        return {"metadata": metadata, "spec": spec, "status": status}
+
+
+@dataclass
+class JobSet:
+    manifest: dict[str, Any]
+    created: int
+    run: int = 0
+    state: str = "Active"  # Active, Completed, Failed
+    resumed_at: int | None = None
+
+    @property
+    def name(self) -> str:
+        return str(self.manifest["metadata"]["name"])
+
+    @property
+    def suspended(self) -> bool:
+        return bool(self.manifest["spec"].get("suspend"))
+
+    @property
+    def attempt(self) -> int:
+        return int(self.manifest["metadata"]["labels"][LABEL_ATTEMPT])
+
+    @property
+    def uid(self) -> str:
+        return str(self.manifest["metadata"]["labels"][LABEL_UID])
+
+    @property
+    def slices(self) -> int:
+        return sum(int(rj.get("replicas", 1)) for rj in self.manifest["spec"]["replicatedJobs"])
+
+    @property
+    def pin(self) -> int | None:
+        value = int(self.manifest["metadata"].get("annotations", {}).get(ANNOTATION_RESUME_STEP, "-1"))
+        return None if value < 0 else value
+
+    def body(self) -> dict[str, Any]:
+        metadata = {**self.manifest["metadata"], "creationTimestamp": stamp(self.created)}
+        conditions: list[dict[str, Any]] = []
+        if self.state in ("Completed", "Failed"):
+            conditions.append({"type": self.state, "status": "True", "reason": self.state, "message": ""})
+        if self.resumed_at is not None:
+            conditions.append({"type": "Suspended", "status": "False", "lastTransitionTime": stamp(self.resumed_at)})
+        elif self.suspended:
+            conditions.append({"type": "Suspended", "status": "True", "lastTransitionTime": stamp(self.created)})
+        return {"metadata": metadata, "spec": self.manifest["spec"], "status": {"conditions": conditions}}
+
+
+@dataclass
+class Save:
+    step: int
+    group: tuple[str, int]
+    commits_at: int
+    cut: bool = False  # its directory was removed under it (another trainer's start-up)
+
+
+@dataclass
+class Group:
+    """The trainer processes of one JobSet run."""
+
+    key: tuple[str, int]
+    attempt: int
+    uid: str
+    pods: list[str]
+    started: int | None = None  # all processes up: the restore happened
+    step: int = 0
+    restored: int | None = None
+    stopping_at: int | None = None  # the step all agreed to stop at (SIGTERM save)
+    hung: bool = False
+    done: bool = False
+
+
+@dataclass
+class Storage:
+    committed: set[int] = field(default_factory=set)
+    damaged: set[int] = field(default_factory=set)
+    removed_by_keep: set[int] = field(default_factory=set)
+    in_flight: dict[int, Save] = field(default_factory=dict)
+    progress: contract.ProgressRecord | None = None
+    operator_outage_until: int = -1
+
+    def latest(self) -> int | None:
+        return max(self.committed, default=None)
+
+
+@dataclass(frozen=True)
+class Config:
+    """The job and the world's constants (a schedule's first draw)."""
+
+    slices: int = 2
+    spare_pools: int = 1
+    final_step: int = 120
+    save_every: int = 10
+    save_seconds: int = 3  # an async save's write, also the SIGTERM save's
+    startup_seconds: int = 4  # image, JAX start-up, restore, compilation
+    keep: int = 3
+    backoff_seconds: int = 0
+    max_restarts: int = 3
+    hang_timeout_seconds: int = 60
+    repair_seconds: int = 30  # a deleted node's replacement joins its pool
+    auto_repair_seconds: int = 600  # GKE deletes a node that stays NotReady this long
+    pod_gc_seconds: int = 40  # the pod GC marks pods of a deleted node Failed after its quarantine
+
+
+@dataclass(frozen=True)
+class Fault:
+    time: int
+    cause: Cause
+    what: str
+    effect: Effect
+
+
+@dataclass
+class Truth:
+    """What really happened, which the operator can only infer."""
+
+    faults: dict[tuple[str, int], list[Fault]] = field(default_factory=dict)  # per trainer group, in order
+    killed_saving: list[str] = field(default_factory=list)  # a healthy trainer killed before its save committed
+    overlaps: list[str] = field(default_factory=list)
+
+
+class World:
+    def __init__(self, config: Config, training_job: dict[str, Any]) -> None:
+        self.config = config
+        self.now = 0
+        self.nodes: dict[str, Node] = {}
+        for pool in range(config.slices + config.spare_pools):
+            self._add_node(pool)
+        self.jobsets: dict[str, JobSet] = {}
+        self.pods: dict[str, Pod] = {}
+        self.groups: dict[tuple[str, int], Group] = {}
+        self.storage = Storage()
+        self.training_job: dict[str, Any] | None = training_job
+        self.training_job_name: str = training_job["metadata"]["name"]
+        self.truth = Truth()
+        self.changed = True  # something the operator watches changed (a watch event is due)
+        self._serial = 0
+
+    # -- the objects -------------------------------------------------------------------------------
+
+    def _add_node(self, pool: int) -> Node:
+        self._serial = getattr(self, "_serial", 0) + 1
+        node = Node(f"pool{pool}-n{self._serial}", pool)
+        self.nodes[node.name] = node
+        return node
+
+    def node_body(self, node: Node) -> dict[str, Any]:
+        ready = "True" if node.reachable else "Unknown"
+        return {
+            "metadata": {"name": node.name, "labels": {contract.NODE_POOL_LABEL: f"pool{node.pool}"}},
+            "spec": {},
+            "status": {
+                "conditions": [{"type": "Ready", "status": ready, "lastTransitionTime": stamp(node.unreachable_since)}]
+            },
+        }
+
+    def live_pods(self) -> list[Pod]:
+        return [p for p in self.pods.values() if not p.gone]
+
+    def live_jobsets(self) -> list[JobSet]:
+        return list(self.jobsets.values())
+
+    def create_jobset(self, manifest: dict[str, Any]) -> bool:
+        """The apiserver's create: False when the name is taken (the caller adopts it if it is its own)."""
+        name = manifest["metadata"]["name"]
+        if name in self.jobsets:
+            return False
+        self.jobsets[name] = JobSet(manifest, self.now)
+        self.changed = True
+        return True
+
+    def delete_jobset(self, name: str, grace: int | None) -> None:
+        """Delete a JobSet (propagation Background: it goes at once, the garbage collector deletes its
+        Jobs' pods after it); its pods with `grace` (None: their own)."""
+        js = self.jobsets.pop(name, None)
+        if js is None:
+            return
+        for pod in self._pods_of(js):
+            self._delete_pod(pod, TERMINATION_GRACE_SECONDS if grace is None else grace)
+        self.changed = True
+
+    def set_suspend(self, name: str, suspend: bool) -> None:
+        js = self.jobsets.get(name)
+        if js is None:
+            return
+        was = js.suspended
+        js.manifest["spec"]["suspend"] = suspend
+        js.manifest["metadata"].setdefault("annotations", {})[contract.ANNOTATION_SUSPENDED] = str(suspend).lower()
+        if was and not suspend:
+            js.resumed_at, js.run = self.now, js.run + 1
+        self.changed = True
+
+    def fail_pod_on_gone_node(self, name: str, node: str) -> None:
+        pod = self.pods.get(name)
+        if pod is None or pod.gone or (node in self.nodes and self.nodes[node].exists):
+            return
+        self._end(pod, "Failed", None, "NodeLost", disruption="NodeGone")
+
+    def delete_ended_pod(self, name: str) -> None:
+        pod = self.pods.get(name)
+        if pod is not None:
+            pod.gone = True
+            self.changed = True
+
+    def _pods_of(self, js: JobSet) -> list[Pod]:
+        return [p for p in self.live_pods() if p.jobset == js.name]
+
+    def _delete_pod(self, pod: Pod, grace: int) -> None:
+        deadline = self.now + grace
+        if pod.deleting_until is not None and pod.deleting_until <= deadline:
+            return
+        first = pod.deleting_until is None
+        pod.deleting_until = deadline
+        self.changed = True
+        if not self._kubelet_hears(pod) and pod.node is not None:
+            return  # no kubelet hears of it: the pod stays, Terminating, and its process runs on
+        if pod.ended() or not pod.process_alive:
+            pod.gone = True
+        elif first:
+            self._sigterm(pod)
+
+    def _kubelet_hears(self, pod: Pod) -> bool:
+        node = self.nodes.get(pod.node or "")
+        return node is not None and node.exists and node.reachable
+
+    def _end(
+        self, pod: Pod, phase: str, exit_code: int | None, reason: str | None, disruption: str | None = None
+    ) -> None:
+        pod.phase, pod.exit_code, pod.reason, pod.finished_at = phase, exit_code, reason, self.now
+        if disruption is not None:
+            pod.disruption = disruption
+        pod.process_alive = False
+        self.changed = True
+
+    # -- the trainer -------------------------------------------------------------------------------
+
+    def _group_of(self, pod: Pod) -> Group | None:
+        return self.groups.get((pod.jobset, pod.run))
+
+    def _healthy(self, group: Group) -> bool:
+        pods = [self.pods[name] for name in group.pods]
+        return group.started is not None and not group.hung and all(p.process_alive for p in pods)
+
+    def _sigterm(self, pod: Pod) -> None:
+        """The trainer's SIGTERM: all processes agree on a step and save it (checkpoint.saveOnPreemption),
+        then exit 143; a trainer that cannot (a peer is gone, it hangs, it has not started) exits at once."""
+        group = self._group_of(pod)
+        if group is None or not self._healthy(group):
+            if pod.process_alive:
+                self._process_exits(pod, 143)
+            return
+        if group.stopping_at is None:
+            group.stopping_at = group.step
+            if group.step not in self.storage.committed and group.step not in self.storage.in_flight:
+                self._begin_save(group, group.step)
+
+    def _process_exits(self, pod: Pod, code: int) -> None:
+        pod.process_alive = False
+        if pod.deleting_until is not None:
+            if self._kubelet_hears(pod):
+                pod.gone = True
+                self.changed = True
+            return
+        self._end(pod, "Succeeded" if code == 0 else "Failed", code, "Completed" if code == 0 else "Error")
+
+    def _begin_save(self, group: Group, step: int) -> None:
+        self.storage.in_flight[step] = Save(step, group.key, self.now + self.config.save_seconds)
+
+    def _start(self, group: Group, pin: int | None) -> None:
+        """Orbax's start-up removes every uncommitted step directory; the restore takes the newest committed
+        step (the pin rule: the pinned step or a newer one)."""
+        for save in self.storage.in_flight.values():
+            if save.group != group.key:
+                save.cut = True
+        alive = [
+            other.key
+            for other in self.groups.values()
+            if other.key != group.key
+            and other.attempt < group.attempt
+            and any(self.pods[n].process_alive for n in other.pods)
+        ]
+        if alive:
+            self.truth.overlaps.append(f"t={self.now}: attempt {group.attempt} started while {alive} still ran")
+        latest = self.storage.latest()
+        group.started, group.restored = self.now, latest
+        group.step = latest or 0
+        del pin  # the newest committed step is at least the pin: the pin rule never goes back
+        self._write_progress(group, first=True)
+
+    def _write_progress(self, group: Group, first: bool = False) -> None:
+        previous = self.storage.progress
+        started = stamp(group.started or self.now)
+        self.storage.progress = contract.ProgressRecord(
+            step=group.step,
+            attempt=group.attempt,
+            updated_at=stamp(self.now),
+            uid=group.uid,
+            last_committed_step=self.storage.latest(),
+            resumed_from_step=group.restored,
+            restored_step=group.restored,
+            restored_from="gcs" if group.restored is not None else None,
+            process_started_at=started,
+            restore_started_at=started,
+            restore_finished_at=started,
+            first_step_at=(
+                stamp(self.now + 1)
+                if first
+                else (previous.first_step_at if previous and previous.attempt == group.attempt else started)
+            ),
+        )
+
+    def _commit_saves(self) -> None:
+        for step, save in sorted(self.storage.in_flight.items()):
+            if save.commits_at > self.now:
+                continue
+            del self.storage.in_flight[step]
+            group = self.groups[save.group]
+            if not any(self.pods[n].process_alive for n in group.pods):
+                continue  # killed before its save committed: the step directory stays uncommitted
+            self.storage.committed.add(step)
+            if save.cut:
+                self.storage.damaged.add(step)
+            for old in sorted(self.storage.committed)[: -self.config.keep]:
+                self.storage.committed.discard(old)
+                self.storage.removed_by_keep.add(old)
+            if group.stopping_at == step or (group.done and step == group.step):
+                for name in group.pods:
+                    if self.pods[name].process_alive:
+                        self._process_exits(self.pods[name], 0 if group.done else 143)
+
+    def _train(self, group: Group) -> None:
+        if group.started is None or group.done or group.hung or group.stopping_at is not None:
+            return
+        if not self._healthy(group):
+            return  # a peer is gone: the others wait in a collective
+        group.step += 1
+        self._write_progress(group)
+        if group.step >= self.config.final_step:
+            group.done = True
+            self._begin_save(group, group.step)
+        elif group.step % self.config.save_every == 0 and not any(
+            s.group == group.key for s in self.storage.in_flight.values()
+        ):
+            self._begin_save(group, group.step)
+
+    # -- one second --------------------------------------------------------------------------------
+
+    def tick(self) -> None:
+        self.now += 1
+        self._nodes()
+        self._jobset_controller()
+        self._scheduler()
+        self._kubelets()
+        self._commit_saves()
+        for group in list(self.groups.values()):
+            self._train(group)
+
+    def _nodes(self) -> None:
+        """The pod GC marks the pods of a deleted node Failed after its quarantine (its delete that follows
+        is not modelled: the operator keeps what an ended pod said)."""
+        for pod in self.live_pods():
+            node = self.nodes.get(pod.node or "")
+            if node is None or node.exists:
+                continue
+            pod.process_alive = False
+            if pod.deleting_until is not None:
+                pod.gone = True
+                self.changed = True
+            elif not pod.ended() and self.now - node.deleted_at >= self.config.pod_gc_seconds:
+                self._end(pod, "Failed", None, "NodeLost", disruption="DeletionByPodGC")
+
+    def _jobset_controller(self) -> None:
+        for js in list(self.jobsets.values()):
+            pods = self._pods_of(js)
+            if self.training_job is None:  # the garbage collector follows the owner reference
+                self.delete_jobset(js.name, None)
+                continue
+            if js.suspended:
+                for pod in pods:
+                    self._delete_pod(pod, TERMINATION_GRACE_SECONDS)
+                continue
+            if js.state != "Active":
+                continue
+            run = [p for p in pods if p.run == js.run]
+            if any(p.phase == "Failed" for p in run):
+                js.state = "Failed"  # failurePolicy maxRestarts 0: the Jobs' other pods get their own grace
+                for pod in run:
+                    if not pod.ended():
+                        self._delete_pod(pod, TERMINATION_GRACE_SECONDS)
+                self.changed = True
+                continue
+            if len(run) == js.slices and all(p.phase == "Succeeded" for p in run):
+                js.state = "Completed"
+                self.changed = True
+                continue
+            have = {p.slice for p in run}
+            for index in range(js.slices):
+                if index not in have and not any(
+                    p.jobset == js.name and p.slice == index and p.run == js.run for p in self.pods.values()
+                ):
+                    self._serial += 1
+                    name = f"{js.name}-slice-{index}-0-{self._serial}"
+                    self.pods[name] = Pod(name, js.name, js.attempt, js.uid, index, js.run, self.now)
+                    key = (js.name, js.run)
+                    group = self.groups.setdefault(key, Group(key, js.attempt, js.uid, []))
+                    group.pods.append(name)
+                    self.changed = True
+
+    def _scheduler(self) -> None:
+        for pod in sorted(self.live_pods(), key=lambda p: p.name):
+            if pod.node is not None or pod.deleting_until is not None:
+                continue
+            free = next((n for n in sorted(self.nodes.values(), key=lambda n: n.name) if self._free(n)), None)
+            if free is not None:
+                pod.node, pod.scheduled_at = free.name, self.now
+                self.changed = True
+
+    def _free(self, node: Node) -> bool:
+        if not (node.exists and node.reachable) or node.tenant_until >= self.now:
+            return False
+        return not any(p.node == node.name and not p.gone and not p.ended() for p in self.pods.values())
+
+    def _note_cut_save(self, pod: Pod) -> None:
+        group = self._group_of(pod)
+        if group is not None and group.stopping_at is not None and group.stopping_at not in self.storage.committed:
+            step = group.stopping_at
+            self.truth.killed_saving.append(
+                f"t={self.now}: {pod.name} killed before its SIGTERM save of {step} committed"
+            )
+
+    def _kubelets(self) -> None:
+        for pod in self.live_pods():
+            killed = pod.deleting_until is not None and pod.process_alive and self.now >= pod.deleting_until
+            if killed and self._kubelet_hears(pod):  # SIGKILL
+                self._note_cut_save(pod)
+                pod.process_alive, pod.gone = False, True
+                self.changed = True
+            starts = pod.phase == "Pending" and pod.node is not None and pod.deleting_until is None
+            if starts and self._kubelet_hears(pod):
+                pod.phase, pod.running_at, pod.process_alive = "Running", self.now, True
+                self.changed = True
+        for group in self.groups.values():
+            if group.started is not None:
+                continue
+            pods = [self.pods[n] for n in group.pods]
+            js = self.jobsets.get(group.key[0])
+            if (
+                js is None
+                or len(pods) < js.slices
+                or not all(p.process_alive and p.running_at is not None for p in pods)
+            ):
+                continue
+            if self.now - max(p.running_at or 0 for p in pods) >= self.config.startup_seconds:
+                self._start(group, js.pin)
+
+    # -- faults ------------------------------------------------------------------------------------
+
+    def _target(self, index: int) -> Pod | None:
+        running = sorted(
+            (p for p in self.live_pods() if p.process_alive and p.deleting_until is None), key=lambda p: p.name
+        )
+        return running[index % len(running)] if running else None
+
+    def _blame(self, pod: Pod, cause: Cause, what: str, effect: Effect = "ends") -> None:
+        self.truth.faults.setdefault((pod.jobset, pod.run), []).append(Fault(self.now, cause, what, effect))
+
+    def crash(self, index: int) -> None:
+        if (pod := self._target(index)) is not None:
+            self._blame(pod, "job", "crash")
+            self._end(pod, "Failed", 1, "Error")
+
+    def evict_for_memory(self, index: int) -> None:
+        """Node-pressure eviction: the job's own memory (or its local tier's tmpfs) filled the node."""
+        if (pod := self._target(index)) is not None:
+            self._blame(pod, "job", "node-pressure eviction")
+            self._end(pod, "Failed", 137, "Evicted", disruption="TerminationByKubelet")
+
+    def node_shutdown(self, index: int) -> None:
+        """Graceful node shutdown (spot reclaim, maintenance): the kubelet ends the pod, the node goes."""
+        if (pod := self._target(index)) is not None:
+            self._blame(pod, "infrastructure", "node shutdown")
+            self._end(pod, "Failed", 143, "Terminated", disruption="TerminationByKubelet")
+            self._replace_node(self.nodes[pod.node or ""])
+
+    def node_lost(self, index: int) -> None:
+        if (pod := self._target(index)) is not None:
+            self._blame(pod, "infrastructure", "node lost")
+            self._replace_node(self.nodes[pod.node or ""])
+
+    def partition(self, index: int) -> None:
+        """The node's kubelet loses the apiserver; its trainer runs on (and writes to storage)."""
+        if (pod := self._target(index)) is not None:
+            self._blame(pod, "infrastructure", "node partitioned", "signals")
+            node = self.nodes[pod.node or ""]
+            node.reachable, node.unreachable_since = False, self.now
+            self.changed = True
+
+    def heal_partitions(self) -> None:
+        for node in self.nodes.values():
+            if node.exists and not node.reachable:
+                node.reachable, node.unreachable_since = True, self.now
+                for pod in self.live_pods():  # the kubelet hears of the deletions it missed
+                    if pod.node != node.name or pod.deleting_until is None:
+                        continue
+                    if pod.deleting_until <= self.now or not pod.process_alive:
+                        pod.process_alive, pod.gone = False, True
+                    else:
+                        self._sigterm(pod)
+        self.changed = True
+
+    def auto_repair(self) -> None:
+        """GKE deletes nodes that stayed NotReady (node auto-repair) and brings new ones."""
+        for node in list(self.nodes.values()):
+            if node.exists and not node.reachable:
+                for pod in self.live_pods():
+                    if pod.node == node.name and pod.process_alive:
+                        self._blame(pod, "infrastructure", "node repaired")
+                self._replace_node(node)
+
+    def _replace_node(self, node: Node) -> None:
+        node.exists, node.deleted_at = False, self.now
+        for pod in self.live_pods():
+            if pod.node == node.name:
+                pod.process_alive = False
+        self._add_node(node.pool)
+        self.changed = True
+
+    def hang(self, index: int) -> None:
+        if (pod := self._target(index)) is not None and (group := self._group_of(pod)) is not None:
+            self._blame(pod, "job", "hang", "stalls")
+            group.hung = True
+
+    def other_tenant(self, pool: int, seconds: int) -> None:
+        node = next((n for n in self.nodes.values() if n.exists and n.pool == pool), None)
+        if node is not None and self._free(node):
+            node.tenant_until = self.now + seconds
+            self.changed = True
+
+    def storage_outage(self, seconds: int) -> None:
+        """Checkpoint storage refuses the operator's reads (the workers still reach it)."""
+        self.storage.operator_outage_until = self.now + seconds
+
+    def set_job_suspend(self, suspend: bool) -> None:
+        if self.training_job is not None and bool(self.training_job["spec"].get("suspend")) != suspend:
+            self.training_job["spec"]["suspend"] = suspend
+            self.training_job["metadata"]["generation"] += 1
+            self.changed = True
+
+    def delete_job(self) -> None:
+        self.training_job = None
+        self.changed = True
+
+
+def replaced(record: Any, **changes: Any) -> Any:
+    return dataclasses.replace(record, **changes)
