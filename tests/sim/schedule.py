@@ -25,6 +25,7 @@ Kind = Literal[
     "storage_outage",
     "suspend",
     "unsuspend",
+    "suspend_briefly",
     "delete_job",
     "operator_crash",
     "wait",
@@ -85,6 +86,9 @@ def apply(world: World, operator: Operator, event: Event) -> None:
         world.storage_outage(5 * event.arg)
     elif event.kind in ("suspend", "unsuspend"):
         world.set_job_suspend(event.kind == "suspend")
+    elif event.kind == "suspend_briefly":  # a user's `suspend: true`, then `false` a few seconds later
+        world.set_job_suspend(True)
+        world.later(event.arg % 15, lambda: world.set_job_suspend(False))
     elif event.kind == "operator_crash":
         operator.crash_after = event.arg % 4
 

@@ -24,7 +24,7 @@ What it models, and how coarsely:
 
 from __future__ import annotations
 
-import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from typing import Any, Literal
@@ -269,6 +269,7 @@ class World:
         self.truth = Truth()
         self.changed = True  # something the operator watches changed (a watch event is due)
         self._serial = 0
+        self._later: list[tuple[int, Callable[[], None]]] = []  # what someone does at a given second
 
     # -- the objects -------------------------------------------------------------------------------
 
@@ -479,8 +480,15 @@ class World:
 
     # -- one second --------------------------------------------------------------------------------
 
+    def later(self, seconds: int, action: Callable[[], None]) -> None:
+        self._later.append((self.now + seconds, action))
+
     def tick(self) -> None:
         self.now += 1
+        due = [action for at_second, action in self._later if at_second <= self.now]
+        self._later = [(t, a) for t, a in self._later if t > self.now]
+        for action in due:
+            action()
         self._nodes()
         self._jobset_controller()
         self._scheduler()
@@ -509,11 +517,11 @@ class World:
             if self.training_job is None:  # the garbage collector follows the owner reference
                 self.delete_jobset(js.name, None)
                 continue
+            if js.state != "Active":  # a finished JobSet is left as it is, suspended or not
+                continue
             if js.suspended:
                 for pod in pods:
                     self._delete_pod(pod, TERMINATION_GRACE_SECONDS)
-                continue
-            if js.state != "Active":
                 continue
             run = [p for p in pods if p.run == js.run]
             if any(p.phase == "Failed" for p in run):
@@ -683,7 +691,3 @@ class World:
     def delete_job(self) -> None:
         self.training_job = None
         self.changed = True
-
-
-def replaced(record: Any, **changes: Any) -> Any:
-    return dataclasses.replace(record, **changes)
