@@ -1,6 +1,7 @@
 """The reconciler on a fleet's bad days: storage outages, long scheduling, suspension, re-created
 jobs, broken checkpoints, refused objects. Each decision is checked on the pure function."""
 
+from dataclasses import replace
 from datetime import UTC, datetime, timedelta
 
 import tpujob_contract as contract
@@ -579,3 +580,18 @@ def test_a_node_pressure_eviction_is_the_jobs_own_and_counts():
     )
     status, _ = reconcile(tj, Observed(now=T0, jobsets=(_jobset(state="Failed", pods=(shutdown,)),)))
     assert status.last_failure is not None and not status.last_failure.counted  # a node shutdown is not the job's
+
+
+def test_an_operator_blind_to_storage_past_the_limit_stops_the_job_with_the_save_grace_uncounted():
+    unreadable = {"type": "CheckpointStorageReachable", "status": "False", "lastTransitionTime": rfc3339(T0)}
+    tj = training_job(
+        status={**_running().status.model_dump(by_alias=True, exclude_none=True), "conditions": [unreadable]}
+    )
+    observed = Observed(now=T0 + HOUR, jobsets=(_jobset(pods=(_scheduled(),)),), storage_error="403 Forbidden")
+    status, actions = reconcile(tj, observed)
+    assert status.phase == "Running" and not actions.stop  # an hour: still waiting, no clock decides
+    status, actions = reconcile(tj, replace(observed, now=T0 + HOUR + timedelta(seconds=2)))
+    assert status.phase == "Failed" and _condition(status, "Failed")[1] == "CheckpointStorageUnreadable"
+    assert actions.stop == ["llama-a0"] and not actions.delete  # its workers save first
+    assert status.counted_restarts == 0 and status.last_failure is None
+    assert "CheckpointStorageUnreadable" in [e.reason for e in actions.events]

@@ -71,6 +71,7 @@ PREVIOUS_ATTEMPT_CHECK_SECONDS = 2.0  # an earlier attempt's workers are ending:
 PREVIOUS_ATTEMPT_ENDING = "PreviousAttemptEnding"
 # Attempts that fail in a row because the workers cannot reach checkpoint storage (exit 3, after the
 # trainer's own 600 s wait) are restarted, uncounted, for this long from the first; then the job fails.
+# So does a job whose storage the operator cannot read for this long (its progress unknown meanwhile).
 STORAGE_OUTAGE_LIMIT_SECONDS = 3600
 # Container waiting reasons that keep a started pod from ever running until someone fixes something.
 _STUCK_WAITING_REASONS = (
@@ -209,6 +210,7 @@ def _decide(tj: TrainingJob, observed: Observed) -> tuple[TrainingJobStatus, Act
 
 
 STORAGE_OUTAGE_REASON = "StorageOutage"
+OPERATOR_STORAGE_OUTAGE_REASON = "CheckpointStorageUnreadable"  # the operator's own reads, past the limit
 RELEASE_CHECK_SECONDS = 5.0  # a finished job's JobSets were deleted: look again until none is left
 
 
@@ -559,7 +561,10 @@ def _while_active(
     actions.requeue_after = STORAGE_RETRY_SECONDS
     waiting_phase: Phase = "Restarting" if status.phase == "Restarting" else "Pending"
     if observed.storage_error is not None:
-        # Progress is unknown, so no clock may decide anything: keep what was known and say why.
+        # Progress is unknown, so no clock may decide anything: keep what was known and say why, for at
+        # most STORAGE_OUTAGE_LIMIT_SECONDS; past it an attempt that may be hung holds its slices no longer.
+        if (blind := _storage_unreadable_for(status, now)) > STORAGE_OUTAGE_LIMIT_SECONDS:
+            return _blind_too_long(tj, status, observed, actions, blind)
         message = f"checkpoint storage unreadable, no timeout applies until it is back: {observed.storage_error}"
         phase = status.phase if status.phase in ("Running", "Restarting", "Pending") else waiting_phase
         reason = "StoragePermissionDenied" if observed.storage_denied else "StorageUnreachable"
@@ -626,6 +631,31 @@ def _while_active(
     if status.phase != "Running":
         actions.events.append(Event("Normal", "Running", f"attempt {status.attempt} is training (step {status.step})"))
     return with_phase(status, "Running", "Training", f"training at step {status.step}", now), actions
+
+
+def _storage_unreadable_for(status: TrainingJobStatus, now: datetime) -> float:
+    """Seconds the operator has been unable to read checkpoint storage (its condition's last flip)."""
+    condition = next((c for c in status.conditions if c.type == STORAGE_CONDITION and c.status == "False"), None)
+    since = parse_time(condition.last_transition_time) if condition is not None else None
+    return (now - since).total_seconds() if since is not None else 0.0
+
+
+def _blind_too_long(
+    tj: TrainingJob, status: TrainingJobStatus, observed: Observed, actions: Actions, blind: float
+) -> tuple[TrainingJobStatus, Actions]:
+    """The operator could not read storage for longer than the limit: the job ends, uncounted, and its
+    workers are stopped with their save grace (a healthy trainer saves its step, a hung one frees its
+    slices). Re-created once storage answers, it resumes from what they committed."""
+    now = observed.now
+    status.completion_time = rfc3339(now)
+    message = (
+        f"the operator could not read checkpoint storage for {blind:.0f}s (more than {STORAGE_OUTAGE_LIMIT_SECONDS}s): "
+        f"{observed.storage_error}; its progress is unknown, so its workers were stopped (they save first): "
+        "re-create the job once gs://" + _bucket(tj) + " can be read by the operator"
+    )
+    actions.events.append(Event("Warning", OPERATOR_STORAGE_OUTAGE_REASON, message))
+    failed = _enter(status, "Failed", OPERATOR_STORAGE_OUTAGE_REASON, message, "Finished", now)
+    return _given_up(tj, failed, observed, actions)
 
 
 def _shrunk(
