@@ -595,3 +595,31 @@ def test_an_operator_blind_to_storage_past_the_limit_stops_the_job_with_the_save
     assert actions.stop == ["llama-a0"] and not actions.delete  # its workers save first
     assert status.counted_restarts == 0 and status.last_failure is None
     assert "CheckpointStorageUnreadable" in [e.reason for e in actions.events]
+
+
+def _lost_node_failure(streak: int, resumed_from: int):
+    previous = {
+        "time": rfc3339(T0 - HOUR),
+        "kind": "NodeLost",
+        "reason": "DeletionByPodGC",
+        "resumeStep": resumed_from,
+        "counted": False,
+    }
+    status = {**_running().status.model_dump(by_alias=True, exclude_none=True), "lastFailure": previous}
+    tj = training_job(status={**status, "uncountedRestartsWithoutProgress": streak}, restart={"maxRestarts": 3})
+    lost = PodFacts("w0", 0, "Failed", disruption_reason="DeletionByPodGC", finished_at=T0)
+    return tj, _jobset(state="Failed", pods=(lost,))
+
+
+def test_infrastructure_failures_restart_uncounted_but_not_for_ever_without_a_new_commit():
+    tj, failed = _lost_node_failure(streak=9, resumed_from=40)
+    status, _ = reconcile(tj, Observed(now=T0, jobsets=(failed,), latest_committed_step=40))
+    assert status.phase == "Restarting" and status.uncounted_restarts_without_progress == 10
+    tj, failed = _lost_node_failure(streak=10, resumed_from=40)
+    status, actions = reconcile(tj, Observed(now=T0, jobsets=(failed,), latest_committed_step=40))
+    assert status.phase == "Failed" and _condition(status, "Failed")[1] == "RestartsWithoutProgress"
+    assert status.counted_restarts == 0 and status.last_failure is not None and not status.last_failure.counted
+    assert actions.delete == ["llama-a0"]  # the failed attempt's workers cannot save: they go at once
+    # A new commit since the previous failure: the streak starts again.
+    status, _ = reconcile(tj, Observed(now=T0, jobsets=(failed,), latest_committed_step=50))
+    assert status.phase == "Restarting" and status.uncounted_restarts_without_progress == 1

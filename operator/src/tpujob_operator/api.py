@@ -1043,6 +1043,13 @@ class TrainingJobStatus(StatusModel):
     attempt: int = Field(default=0, description="Current JobSet attempt (0 is the first).")
     restarts: int = Field(default=0, description="Restarts performed after failures, of any kind.")
     counted_restarts: int = Field(default=0, description="Restarts that counted against spec.restart.maxRestarts.")
+    uncounted_restarts_without_progress: int = Field(
+        default=0,
+        description=(
+            "Uncounted restarts in a row (infrastructure failures) with no newer committed step between them; "
+            "past 10 the job ends Failed (reason RestartsWithoutProgress), still uncounted."
+        ),
+    )
     in_place_restarts: int = Field(
         default=0, description="Of the restarts, those done in place (the InPlace rung: pods and nodes kept)."
     )

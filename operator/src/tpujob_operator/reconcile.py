@@ -37,6 +37,7 @@ from .facts import Actions, CreationRefused, Event, JobSetFacts, Observed, PodFa
 from .jobset import jobset_name
 from .nodes import pods_on_gone_nodes, recorded_pods_on_gone_nodes
 from .restarts import (
+    MAX_UNCOUNTED_RESTARTS_WITHOUT_PROGRESS,
     TERMINAL_KINDS,
     Failure,
     backoff,
@@ -47,6 +48,7 @@ from .restarts import (
     counts_against_budget,
     expired,
     node_verdict_wait,
+    uncounted_streak,
 )
 from .status import (
     moved_resume_point,
@@ -211,6 +213,9 @@ def _decide(tj: TrainingJob, observed: Observed) -> tuple[TrainingJobStatus, Act
 
 STORAGE_OUTAGE_REASON = "StorageOutage"
 OPERATOR_STORAGE_OUTAGE_REASON = "CheckpointStorageUnreadable"  # the operator's own reads, past the limit
+NO_PROGRESS_REASON = "RestartsWithoutProgress"  # uncounted restarts in a row that committed nothing
+# Why a job that a failure ended was given up (its failed attempt's workers go at once: `release`).
+_FAILURE_GIVE_UPS = ("RestartBudgetExhausted", STORAGE_OUTAGE_REASON, NO_PROGRESS_REASON)
 RELEASE_CHECK_SECONDS = 5.0  # a finished job's JobSets were deleted: look again until none is left
 
 
@@ -240,7 +245,7 @@ def _ended_by_a_failure(status: TrainingJobStatus) -> bool:
     return (
         status.phase == "Failed"
         and failure is not None
-        and _phase_reason(status) in ("RestartBudgetExhausted", STORAGE_OUTAGE_REASON, failure.reason)
+        and _phase_reason(status) in (*_FAILURE_GIVE_UPS, failure.reason)
     )
 
 
@@ -793,6 +798,10 @@ def _after_failure(
         failure = dataclasses.replace(failure, message=f"{failure.message}: {_permission_advice(tj, current)}")
     counted = counts_against_budget(failure.kind, policy) if counted is None else counted
     latest = _known_latest_step(status, observed)
+    previous_resume = status.last_failure.resume_step if status.last_failure is not None else None
+    status.uncounted_restarts_without_progress = uncounted_streak(
+        status.uncounted_restarts_without_progress, counted, previous_resume, latest
+    )
     progress = observed.progress
     reported_step = status.step if progress is not None and progress.attempt == status.attempt else None
     lost = max(0, reported_step - (latest if latest is not None else 0)) if reported_step is not None else None
@@ -834,6 +843,16 @@ def _after_failure(
         actions.events.append(Event("Warning", failure.reason, f"{failure.message}; no restart can fix this"))
         failed = with_phase(status, "Failed", failure.reason, failure.message, now)
         return _given_up(tj, _staged(failed, "Finished", now), observed, actions)
+    if status.uncounted_restarts_without_progress > MAX_UNCOUNTED_RESTARTS_WITHOUT_PROGRESS:
+        status.completion_time = rfc3339(now)
+        message = (
+            f"{MAX_UNCOUNTED_RESTARTS_WITHOUT_PROGRESS} restarts after infrastructure failures in a row committed no "
+            f"new step (still {latest}); last failure: {failure.kind}: {failure.message}; none was counted: "
+            "look at the node pool's health and the workers' start-up, then re-create the job"
+        )
+        actions.events.append(Event("Warning", NO_PROGRESS_REASON, message))
+        failed = _enter(status, "Failed", NO_PROGRESS_REASON, message, "Finished", now)
+        return _given_up(tj, failed, observed, actions)
     if counted and not budget_left(policy, status.counted_restarts + rounds - 1):
         actions.events.append(
             Event(

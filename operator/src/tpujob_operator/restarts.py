@@ -192,6 +192,20 @@ def counts_against_budget(kind: FailureKind, policy: RestartSpec) -> bool:
     return True
 
 
+# Uncounted restarts in a row with no newer committed step between them that a job may make: an
+# infrastructure failure never spends the budget, but no job restarts for ever without training.
+MAX_UNCOUNTED_RESTARTS_WITHOUT_PROGRESS = 10
+
+
+def uncounted_streak(streak: int, counted: bool, previous_resume_step: int | None, latest: int | None) -> int:
+    """The uncounted restarts without progress after this failure: none after a counted one; one more
+    when the latest committed step is still the one the previous failure resumed from (`streak` is
+    the count before, 0 when the previous failure was counted); else this one alone."""
+    if counted:
+        return 0
+    return streak + 1 if streak > 0 and latest == previous_resume_step else 1
+
+
 def budget_left(policy: RestartSpec, counted_restarts: int) -> bool:
     return counted_restarts < policy.max_restarts
 
