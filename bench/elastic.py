@@ -57,7 +57,7 @@ def _manifest(job: str, steps: int, shrink_after: int) -> dict[str, Any]:
         "restart": {"backoffSeconds": 1},
     }
     if job == "elastic":
-        spec["elastic"] = {"minSlices": 1, "shrinkAfterSeconds": shrink_after}
+        spec["elastic"] = {"minSlices": 1, "shrinkAfterSeconds": shrink_after, "growAfterSeconds": 30}
     return {
         "apiVersion": f"{contract.TRAININGJOB_GROUP}/{contract.TRAININGJOB_VERSION}",
         "kind": "TrainingJob",

@@ -19,6 +19,7 @@ from .conftest import E2E
 
 STEPS = 2500
 SHRINK_AFTER = 10
+GROW_AFTER = 30  # the least the API allows: the pool comes back well after that
 # Node loss to training on 1 slice: detection (the node is gone) + a new attempt that waits
 # SHRINK_AFTER + the smaller attempt's start (process start, restore, compilation) on a busy 2-core machine.
 SHRINK_BOUND_SECONDS = SHRINK_AFTER + 150
@@ -49,7 +50,7 @@ def _lose_and_regain(e2e: E2E, name: str, pools: list[Pool], nodes: dict[str, di
         accelerator=pools[0].accelerator,
         topology=pools[0].topology,
         slices=2,
-        elastic={"minSlices": 1, "shrinkAfterSeconds": SHRINK_AFTER},
+        elastic={"minSlices": 1, "shrinkAfterSeconds": SHRINK_AFTER, "growAfterSeconds": GROW_AFTER},
     )
     status = e2e.wait(
         name,

@@ -16,7 +16,7 @@ from kubernetes.client.exceptions import ApiException
 from tpujob_contract import JOBSET_GROUP, JOBSET_PLURAL, JOBSET_VERSION, LABEL_UID
 from tpujob_operator import api
 from tpujob_operator.kube import Cluster as OperatorCluster
-from tpujob_operator.kube import Conflict
+from tpujob_operator.kube import Conflict, load_config
 
 from .conftest import eventually, training_job_manifest
 from .test_operator import Cluster, _now
@@ -220,3 +220,23 @@ def test_a_jobset_of_the_attempts_name_without_the_jobs_uid_is_never_adopted(ope
     )
     assert "already exists and is not this TrainingJob's" in _condition(status, "Pending")["message"]
     assert "ownerReferences" not in cluster.jobset(f"{unique_name}-a0")["metadata"]  # left as it was
+
+
+def test_a_node_where_another_tenants_pod_holds_tpu_chips_is_not_free_to_grow_into(kube, namespace, unique_name):
+    """spec.elastic grows only into pools no TPU pod occupies: the operator asks the apiserver for the pods
+    bound to those nodes, in every namespace (elastic.spare_pools)."""
+    core = client.CoreV1Api(kube)
+
+    def pod(name: str, node: str, limits: dict[str, str], phase: str | None = None) -> None:
+        container = {"name": "c", "image": "busybox", "resources": {"limits": limits}}
+        body = {"metadata": {"name": name}, "spec": {"nodeName": node, "containers": [container]}}
+        core.create_namespaced_pod(namespace, body)
+        if phase is not None:
+            core.patch_namespaced_pod_status(name, namespace, {"status": {"phase": phase}})
+
+    load_config()  # the operator's own client, as its runtime makes it
+    pod(f"{unique_name}-batch", f"{unique_name}-tpu-a", {"google.com/tpu": "4"})  # another tenant's TPU job
+    pod(f"{unique_name}-agent", f"{unique_name}-tpu-b", {"cpu": "100m"})  # a node agent: holds no chips
+    pod(f"{unique_name}-done", f"{unique_name}-tpu-c", {"google.com/tpu": "4"}, phase="Succeeded")
+    nodes = [f"{unique_name}-tpu-{suffix}" for suffix in "abcd"]
+    assert OperatorCluster().nodes_holding_tpus(nodes) == {f"{unique_name}-tpu-a"}

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from tpujob_contract import LABEL_ATTEMPT
-from tpujob_operator import api
+from tpujob_operator import api, elastic
 from tpujob_operator.apply import dump
 from tpujob_operator.facts import Actions, Observed
 from tpujob_operator.jobset import build_jobset, jobset_facts
@@ -71,6 +71,7 @@ class Operator:
             for name, body in node_bodies.items()
         }
         return Observed(
+            spare_pools=self._spare_pools(tj, [p for p in attempt_pods if p["metadata"]["labels"]]),
             now=at(world.now),
             jobsets=tuple(facts),
             latest_committed_step=None if outage else world.storage.latest(),
@@ -79,6 +80,18 @@ class Operator:
             earlier_pods=len([p for p in pods if _earlier_and_running(p, attempt, node_bodies)]),
             nodes=nodes,
         )
+
+    def _spare_pools(self, tj: api.TrainingJob, attempt_pods: list[dict[str, Any]]) -> int | None:
+        """As observe.Observer._spare_pools: asked only for an elastic job below its full size."""
+        world = self.world
+        if not elastic.wants_pools(world.training_job or {}):
+            return None
+        bodies = [world.node_body(n) for n in world.nodes.values() if n.exists]
+        busy = [node for p in attempt_pods if (node := p["spec"].get("nodeName"))]
+        if not hasattr(elastic, "spare_pool_nodes"):  # an operator from before issue 30 (tests.sim.hunt)
+            return int(elastic.spare_pools(tj, bodies, 1, busy))  # type: ignore[arg-type, call-arg]
+        pools = elastic.spare_pool_nodes(tj, bodies, 1, busy)
+        return elastic.spare_pools(pools, world.occupied_nodes())
 
     def reconcile(self) -> None:
         world = self.world

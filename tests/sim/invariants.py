@@ -31,6 +31,7 @@ def check(world: World, operator: Operator, watch: Watch) -> list[str]:
     found += [f"2. attempts overlap: {o}" for o in world.truth.overlaps]
     found += _save_grace(world, operator)
     found += _failures_charged_truly(world, operator, watch)
+    found += _resizes_bounded(world, operator)
     found += _released(world, watch)
     found += _succeeded_only_when_committed(world)
     found += [f"9. a restarted operator decides otherwise: {m}" for m in operator.mismatches]
@@ -96,6 +97,15 @@ def _causes(faults: list[Fault]) -> list[Fault]:
     first = min(faults, key=lambda f: (EFFECT_ORDER.index(f.effect), f.time))
     latest = first.time + NODE_FAILURE_WINDOW_SECONDS
     return [first, *(f for f in faults if f.cause != first.cause and f.time <= latest)]
+
+
+def _resizes_bounded(world: World, operator: Operator) -> list[str]:
+    """5. Resizes are bounded in any window: at most as many in any growAfterSeconds as there are sizes
+    to shrink through, plus one grow (2 slices, minSlices 1: 2)."""
+    times = [d.time for d in operator.decisions if d.applied and d.status.resizes > d.before.resizes]
+    window, most = world.config.grow_after_seconds, 2
+    crowded = [t for i, t in enumerate(times) if i >= most and t - times[i - most] < window]
+    return [f"5. t={crowded[0]}: {most + 1} resizes within {window}s: {times}"] if crowded else []
 
 
 def _released(world: World, watch: Watch) -> list[str]:

@@ -7,10 +7,11 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from hypothesis import strategies as st
+from tpujob_operator import api
 
 from .control import Operator
 from .invariants import Watch, check
-from .world import Config, World
+from .world import ACCELERATOR, TOPOLOGY, Config, World
 
 Kind = Literal[
     "crash",
@@ -52,6 +53,8 @@ configs = st.builds(
     backoff_seconds=st.sampled_from([0, 0, 5]),
     spare_pools=st.integers(0, 2),
     max_restarts=st.integers(0, 4),
+    repair_seconds=st.sampled_from([5, 30, 300]),
+    elastic=st.booleans(),
 )
 
 
@@ -63,16 +66,24 @@ def training_job(config: Config) -> dict[str, Any]:
         "spec": {
             "image": "trainer:1",
             "args": ["--steps", str(config.final_step)],
-            "tpu": {"accelerator": "tpu-v5-lite-podslice", "topology": "2x2", "slices": config.slices},
+            "tpu": {"accelerator": ACCELERATOR, "topology": TOPOLOGY, "slices": config.slices},
             "checkpoint": {"directory": "gs://bucket/runs", "keep": {"latest": config.keep}},
             "restart": {
                 "maxRestarts": config.max_restarts,
                 "backoffSeconds": config.backoff_seconds,
                 "hangTimeoutSeconds": config.hang_timeout_seconds,
             },
+            **({"elastic": _elastic(config)} if config.elastic else {}),
         },
         "status": {},
     }
+
+
+def _elastic(config: Config) -> dict[str, int]:
+    spec = {"minSlices": 1, "shrinkAfterSeconds": config.shrink_after_seconds}
+    if "grow_after_seconds" in api.ElasticSpec.model_fields:  # not in an operator from before issue 30
+        spec["growAfterSeconds"] = config.grow_after_seconds
+    return spec
 
 
 def apply(world: World, operator: Operator, event: Event) -> None:
@@ -81,7 +92,7 @@ def apply(world: World, operator: Operator, event: Event) -> None:
     elif event.kind in ("heal_partitions", "auto_repair", "delete_job"):
         getattr(world, event.kind)()
     elif event.kind == "other_tenant":
-        world.other_tenant(event.arg % (world.config.slices + world.config.spare_pools), 10 + 10 * event.arg)
+        world.other_tenant(event.arg % (world.config.slices + world.config.spare_pools), 10 + 5 * event.arg)
     elif event.kind == "storage_outage":
         world.storage_outage(5 * event.arg)
     elif event.kind in ("suspend", "unsuspend"):

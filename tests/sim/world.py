@@ -34,6 +34,7 @@ from tpujob_contract import ANNOTATION_RESUME_STEP, JOB_INDEX_ANNOTATION, LABEL_
 from tpujob_operator.jobset import TERMINATION_GRACE_SECONDS
 
 T0 = datetime(2026, 1, 1, tzinfo=UTC)
+ACCELERATOR, TOPOLOGY = "tpu-v5-lite-podslice", "2x2"  # one host a slice
 
 Cause = Literal["job", "infrastructure"]
 # What a fault does to the trainer: ends one of its processes, stops its progress (a hang), or neither
@@ -83,6 +84,7 @@ class Pod:
     disruption: str | None = None  # DisruptionTarget reason
     finished_at: int | None = None
     deleting_until: int | None = None  # deletion asked: SIGKILL at this second
+    unschedulable: bool = False  # the scheduler found no free pool for it
     process_alive: bool = False  # its trainer process runs (it can write to storage)
     gone: bool = False  # removed from the apiserver
 
@@ -95,6 +97,15 @@ class Pod:
         if self.scheduled_at is not None:
             conditions.append(
                 {"type": "PodScheduled", "status": "True", "lastTransitionTime": stamp(self.scheduled_at)}
+            )
+        elif self.unschedulable:
+            conditions.append(
+                {
+                    "type": "PodScheduled",
+                    "status": "False",
+                    "reason": "Unschedulable",
+                    "message": "0/3 nodes are available: 3 node(s) didn't match pod anti-affinity rules.",
+                }
             )
         if self.disruption is not None:
             conditions.append(
@@ -232,6 +243,9 @@ class Config:
     max_restarts: int = 3
     hang_timeout_seconds: int = 60
     repair_seconds: int = 30  # a deleted node's replacement joins its pool
+    elastic: bool = False  # spec.elastic: minSlices 1
+    shrink_after_seconds: int = 20
+    grow_after_seconds: int = 30  # the least spec.elastic.growAfterSeconds allows
     auto_repair_seconds: int = 600  # GKE deletes a node that stays NotReady this long
     pod_gc_seconds: int = 40  # the pod GC marks pods of a deleted node Failed after its quarantine
 
@@ -257,6 +271,7 @@ class World:
     def __init__(self, config: Config, training_job: dict[str, Any]) -> None:
         self.config = config
         self.now = 0
+        self._serial = 0
         self.nodes: dict[str, Node] = {}
         for pool in range(config.slices + config.spare_pools):
             self._add_node(pool)
@@ -268,21 +283,27 @@ class World:
         self.training_job_name: str = training_job["metadata"]["name"]
         self.truth = Truth()
         self.changed = True  # something the operator watches changed (a watch event is due)
-        self._serial = 0
         self._later: list[tuple[int, Callable[[], None]]] = []  # what someone does at a given second
 
     # -- the objects -------------------------------------------------------------------------------
 
-    def _add_node(self, pool: int) -> Node:
-        self._serial = getattr(self, "_serial", 0) + 1
+    def _add_node(self, pool: int) -> None:
+        self._serial += 1
         node = Node(f"pool{pool}-n{self._serial}", pool)
         self.nodes[node.name] = node
-        return node
+        self.changed = True
 
     def node_body(self, node: Node) -> dict[str, Any]:
         ready = "True" if node.reachable else "Unknown"
         return {
-            "metadata": {"name": node.name, "labels": {contract.NODE_POOL_LABEL: f"pool{node.pool}"}},
+            "metadata": {
+                "name": node.name,
+                "labels": {
+                    contract.NODE_POOL_LABEL: f"pool{node.pool}",
+                    contract.ACCELERATOR_LABEL: ACCELERATOR,
+                    contract.TOPOLOGY_LABEL: TOPOLOGY,
+                },
+            },
             "spec": {},
             "status": {
                 "conditions": [{"type": "Ready", "status": ready, "lastTransitionTime": stamp(node.unreachable_since)}]
@@ -554,7 +575,10 @@ class World:
                 continue
             free = next((n for n in sorted(self.nodes.values(), key=lambda n: n.name) if self._free(n)), None)
             if free is not None:
-                pod.node, pod.scheduled_at = free.name, self.now
+                pod.node, pod.scheduled_at, pod.unschedulable = free.name, self.now, False
+                self.changed = True
+            elif not pod.unschedulable:
+                pod.unschedulable = True
                 self.changed = True
 
     def _free(self, node: Node) -> bool:
@@ -660,11 +684,12 @@ class World:
                 self._replace_node(node)
 
     def _replace_node(self, node: Node) -> None:
+        """The node goes; its replacement joins the pool repair_seconds later."""
         node.exists, node.deleted_at = False, self.now
         for pod in self.live_pods():
             if pod.node == node.name:
                 pod.process_alive = False
-        self._add_node(node.pool)
+        self.later(self.config.repair_seconds, lambda: self._add_node(node.pool))
         self.changed = True
 
     def hang(self, index: int) -> None:
@@ -673,10 +698,21 @@ class World:
             group.hung = True
 
     def other_tenant(self, pool: int, seconds: int) -> None:
+        """Another team's batch job takes a free pool's TPUs for a while."""
         node = next((n for n in self.nodes.values() if n.exists and n.pool == pool), None)
         if node is not None and self._free(node):
             node.tenant_until = self.now + seconds
             self.changed = True
+
+            def gone() -> None:
+                self.changed = True
+
+            self.later(seconds + 1, gone)
+
+    def occupied_nodes(self) -> set[str]:
+        """Nodes where a pod holding TPU chips runs (another tenant's, or any of the job's not yet ended)."""
+        held = {n.name for n in self.nodes.values() if n.tenant_until >= self.now}
+        return held | {p.node for p in self.live_pods() if p.node is not None and not p.ended()}
 
     def storage_outage(self, seconds: int) -> None:
         """Checkpoint storage refuses the operator's reads (the workers still reach it)."""

@@ -24,7 +24,7 @@ def test_the_two_jobs_have_shapes_of_their_own_and_only_one_is_elastic():
     manifests = {job: bench._manifest(job, 100, 30) for job in bench.SHAPES}
     tpus = {job: (m["spec"]["tpu"]["accelerator"], m["spec"]["tpu"]["topology"]) for job, m in manifests.items()}
     assert len(set(tpus.values())) == 2
-    assert manifests["elastic"]["spec"]["elastic"] == {"minSlices": 1, "shrinkAfterSeconds": 30}
+    assert manifests["elastic"]["spec"]["elastic"] == {"minSlices": 1, "shrinkAfterSeconds": 30, "growAfterSeconds": 30}
     assert "elastic" not in manifests["waiting"]["spec"]
     for manifest in manifests.values():  # what the apiserver would admit
         api.TrainingJob.model_validate(manifest)

@@ -240,9 +240,34 @@ def test_spare_pools_are_ready_pools_of_the_jobs_shape_without_its_pods():
         _node("f-0", "f", taints=[{"key": contract.TPU_RESOURCE, "effect": "NoSchedule"}]),
         _node("f-1", "f", taints=[{"key": contract.TPU_RESOURCE, "effect": "NoSchedule"}]),  # TPU taint: tolerated
     ]
-    assert elastic.spare_pools(tj, nodes, 2, busy_nodes=["c-1"]) == 2
+    pools = elastic.spare_pool_nodes(tj, nodes, 2, busy_nodes=["c-1"])
+    assert pools == [["a-0", "a-1"], ["f-0", "f-1"]] and elastic.spare_pools(pools, occupied_nodes=()) == 2
+    # Another tenant's TPU pod on one node of a pool: a slice cannot schedule there now.
+    assert elastic.spare_pools(pools, occupied_nodes=["f-1"]) == 1
     nodes[0]["status"]["conditions"][0]["status"] = "False"
-    assert elastic.spare_pools(tj, nodes, 2, busy_nodes=["c-1"]) == 1
+    assert elastic.spare_pools(elastic.spare_pool_nodes(tj, nodes, 2, busy_nodes=["c-1"]), ()) == 1
+
+
+def test_a_grow_waits_out_the_cooldown_after_the_last_resize():
+    shrunk = api.ResizeRecord(time=rfc3339(T0), from_slices=2, to_slices=1, reason="CapacityLost", attempt=2)
+    tj = training_job(
+        status={"phase": "Running", "attempt": 2, "slices": 1, "stage": "Training",
+                "lastResize": shrunk.model_dump(by_alias=True, exclude_none=True)},
+        elastic=ELASTIC,
+    )  # fmt: skip
+    pods = tuple(PodFacts(f"p{h}", 0, "Running", scheduled_at=T0, node=f"gke-pool-0-{h}") for h in range(2))
+    cooldown = elastic.grow_cooldown_seconds(tj)
+    assert cooldown == 600  # growAfterSeconds' default
+
+    def decide(seconds: float):
+        now = T0 + timedelta(seconds=seconds)
+        progress = progress_record(uid=UID, attempt=2, step=150, updated_at=now)
+        return reconcile(tj, Observed(now=now, jobsets=(_jobset(2, 1, pods),), progress=progress, spare_pools=1))
+
+    status, actions = decide(cooldown - 10)
+    assert (status.attempt, actions.stop) == (2, []) and actions.requeue_after == 10.5
+    status, actions = decide(cooldown + 1)
+    assert (status.attempt, status.slices, actions.stop) == (3, 2, ["llama-a2"])
 
 
 def test_only_an_elastic_job_below_its_full_size_asks_for_the_pools():

@@ -742,6 +742,16 @@ class ElasticSpec(ApiModel):
             "when the node pools are ready again."
         ),
     )
+    grow_after_seconds: int = Field(
+        default=600,
+        ge=30,
+        le=MAX_SECONDS,
+        description=(
+            "The least time between a resize and a grow (a grow restarts the job): the job resizes at most "
+            "twice per growAfterSeconds + shrinkAfterSeconds, however capacity comes and goes. It grows only "
+            "into ready node pools on which no pod holds TPU chips."
+        ),
+    )
 
 
 def elastic_sizes(full: int, minimum: int) -> tuple[int, ...]:

@@ -5,13 +5,15 @@ A reduced size divides spec.tpu.slices (api.elastic_sizes): the trainer then acc
 over tpu.slices / size microbatches, each of the full-size run's per-device shape, so that every step
 is the full-size step. Shrinking happens while an attempt waits to be scheduled (a slice's pods stay
 unschedulable for shrinkAfterSeconds); growing while it trains, once enough TPU node pools of the
-job's shape are ready and none of them holds the job's pods.
+job's shape are ready and no pod holding TPU chips (the job's or another tenant's) is on them, and
+no sooner than growAfterSeconds after the last resize.
 """
 
 from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Iterable, Mapping
+from datetime import datetime
 from typing import Any
 
 import tpujob_contract as contract
@@ -19,6 +21,7 @@ import tpujob_contract as contract
 from .api import TrainingJob, TrainingJobStatus, elastic_sizes
 from .facts import JobSetFacts, NodeFacts
 from .nodes import node_facts, node_signals
+from .status import parse_time
 
 CAPACITY_LOST = "CapacityLost"
 CAPACITY_RETURNED = "CapacityReturned"
@@ -69,12 +72,11 @@ def _schedulable(node: NodeFacts) -> bool:
     return node.ready == "True" and not node.unschedulable and not blocking and not node_signals(node)
 
 
-def spare_pools(
+def spare_pool_nodes(
     tj: TrainingJob, nodes: Iterable[Mapping[str, Any]], hosts_per_slice: int, busy_nodes: Iterable[str]
-) -> int:
-    """TPU node pools of the job's accelerator and topology with `hosts_per_slice` schedulable nodes
-    and none of `busy_nodes` (where the job's pods are). Other tenants' pods are not seen: a pool they
-    hold makes a grown attempt wait, and it shrinks again after shrinkAfterSeconds."""
+) -> list[list[str]]:
+    """The nodes, pool by pool, of the TPU node pools of the job's accelerator and topology with
+    `hosts_per_slice` schedulable nodes and none of `busy_nodes` (where the job's pods are)."""
     wanted = {contract.ACCELERATOR_LABEL: tj.spec.tpu.accelerator, contract.TOPOLOGY_LABEL: tj.spec.tpu.topology}
     busy = set(busy_nodes)
     members: dict[str, list[Mapping[str, Any]]] = {}
@@ -83,9 +85,32 @@ def spare_pools(
         pool = labels.get(contract.NODE_POOL_LABEL)
         if pool and all(labels.get(k) == v for k, v in wanted.items()):
             members.setdefault(str(pool), []).append(body)
-    spare = 0
+    spare = []
     for bodies in members.values():
         facts = [node_facts(b) for b in bodies]
         if len(facts) >= hosts_per_slice and all(_schedulable(f) for f in facts) and not busy & {f.name for f in facts}:
-            spare += 1
+            spare.append(sorted(f.name for f in facts))
     return spare
+
+
+def spare_pools(pools: Iterable[Iterable[str]], occupied_nodes: Iterable[str]) -> int:
+    """Of the spare pools' nodes (spare_pool_nodes), the pools none of whose nodes runs a pod that holds
+    TPU chips (another tenant's, or this job's earlier attempt's): only those can take a slice now."""
+    occupied = set(occupied_nodes)
+    return sum(1 for names in pools if not occupied & set(names))
+
+
+def grow_wait(tj: TrainingJob, status: TrainingJobStatus, now: datetime) -> float:
+    """Seconds before spec.elastic may grow again (0: it may now). A grow restarts the job, and a grow
+    into capacity that goes again is followed by a shrink after shrinkAfterSeconds: waiting
+    growAfterSeconds after every resize bounds the resizes in any window to two per
+    shrinkAfterSeconds + growAfterSeconds, however the capacity comes and goes."""
+    resize = status.last_resize
+    since = parse_time(resize.time) if resize is not None else None
+    if tj.spec.elastic is None or since is None:
+        return 0.0
+    return max(0.0, grow_cooldown_seconds(tj) - (now - since).total_seconds())
+
+
+def grow_cooldown_seconds(tj: TrainingJob) -> int:
+    return tj.spec.elastic.grow_after_seconds if tj.spec.elastic is not None else 0

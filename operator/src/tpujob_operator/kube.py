@@ -22,6 +22,7 @@ from tpujob_contract import (
     KUEUE_GROUP,
     KUEUE_JOB_UID_LABEL,
     KUEUE_VERSION,
+    TPU_RESOURCE,
 )
 
 from . import api
@@ -99,6 +100,23 @@ class Cluster:
             if error.status == 404:
                 return None
             raise
+
+    def nodes_holding_tpus(self, nodes: list[str]) -> set[str]:
+        """Of `nodes`, those where a pod that has not ended asks for TPU chips (any namespace, any owner):
+        a slice of this job cannot schedule there now. Without the right to list pods cluster-wide (a
+        chart scoped by watchNamespaces), nothing is known to be occupied."""
+        occupied = set()
+        for node in nodes:
+            selector = f"spec.nodeName={node},status.phase!=Succeeded,status.phase!=Failed"
+            try:
+                pods = self._core("GET", "pods", [("fieldSelector", selector)]).get("items") or []
+            except ApiException as error:
+                if error.status == 403:
+                    return set()
+                raise
+            if any(_asks_for_tpus(p) for p in pods):
+                occupied.add(node)
+        return occupied
 
     def pod_creation_refusal(self, namespace: str, jobset_name: str) -> str | None:
         """The newest FailedCreate the Job controller reported for this JobSet's Jobs (a quota, Pod
@@ -339,3 +357,8 @@ class Cluster:
             patch,
             _request_timeout=REQUEST_TIMEOUT_SECONDS,
         )
+
+
+def _asks_for_tpus(pod: dict[str, Any]) -> bool:
+    containers = (pod.get("spec") or {}).get("containers") or []
+    return any(TPU_RESOURCE in (((c.get("resources") or {}).get("limits")) or {}) for c in containers)

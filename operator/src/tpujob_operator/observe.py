@@ -338,17 +338,25 @@ class Observer:
             storage_denied=denied and error is not None,
             foreign_pods=len(foreign_running),
             earlier_pods=len([p for p in ours if _earlier_and_running(p, tj.status.attempt, snapshot.nodes)]),
-            spare_pools=self._spare_pools(tj, snapshot, attempt_pods),
+            spare_pools=self._spare_pools(job, tj, snapshot, attempt_pods),
             queue_name=queue_name(tj, self.default_queue),
             nodes=self._node_facts(snapshot, facts, tj.status.in_place_round),
         )
 
-    def _spare_pools(self, tj: api.TrainingJob, snapshot: Snapshot, attempt_pods: list[dict[str, Any]]) -> int | None:
+    def _spare_pools(
+        self, job: JobMemory, tj: api.TrainingJob, snapshot: Snapshot, attempt_pods: list[dict[str, Any]]
+    ) -> int | None:
+        """Ready pools of the job's shape that no pod holding TPU chips occupies: the nodes look free, and
+        only then are their pods listed (one LIST a node, remembered a while), since the operator's
+        caches hold its own pods alone and another tenant's would keep a grown attempt from scheduling."""
         if snapshot.all_nodes is None:
             return None
         hosts = slice_shape(tj.spec.tpu.accelerator, tj.spec.tpu.topology).hosts
         busy = [node for p in attempt_pods if (node := (p.get("spec") or {}).get("nodeName"))]
-        return elastic.spare_pools(tj, snapshot.all_nodes, hosts, busy)
+        pools = elastic.spare_pool_nodes(tj, snapshot.all_nodes, hosts, busy)
+        names = sorted(name for pool in pools for name in pool)
+        occupied = self._slowly(job, f"occupied:{','.join(names)}", self.cluster().nodes_holding_tpus, names)
+        return elastic.spare_pools(pools, occupied if names else ())
 
     def _read_storage(
         self, key: JobKey, job: JobMemory, tj: api.TrainingJob, workers_running: bool, deciding: bool

@@ -732,12 +732,16 @@ def _shrunk_when_due(
 def _grown(
     tj: TrainingJob, status: TrainingJobStatus, observed: Observed, actions: Actions, current: JobSetFacts
 ) -> tuple[TrainingJobStatus, Actions] | None:
-    """spec.elastic below full size: enough ready TPU node pools make the next attempt larger. The
+    """spec.elastic below full size: enough ready TPU node pools, free of any pod holding TPU chips, make
+    the next attempt larger, at least elastic.grow_cooldown_seconds after the last resize. The
     workers are stopped with their own grace, so they save on SIGTERM (checkpoint.saveOnPreemption),
     and the larger attempt starts once they are gone, from what they committed."""
     now_slices = elastic.slices_in_force(tj, status, current)
     target = elastic.grow_to(tj, now_slices, observed.spare_pools)
     if target is None:
+        return None
+    if (wait := elastic.grow_wait(tj, status, observed.now)) > 0:  # bounds the resizes in any window
+        actions.requeue_after = min(actions.requeue_after or RECHECK_SECONDS, wait + 0.5)
         return None
     message = f"{observed.spare_pools} more TPU node pools of {tj.spec.tpu.topology} ready"
     actions.stop.append(current.name)
