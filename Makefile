@@ -7,7 +7,7 @@ export PIP_CACHE_DIR ?= $(TPUJOB_CACHE)/pip
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
-DEPS_STAMP := $(VENV)/.deps-$(shell cat requirements-dev.txt contract/pyproject.toml operator/pyproject.toml trainer_image/pyproject.toml devcluster/pyproject.toml | sha1sum | cut -c1-12)
+DEPS_STAMP := $(VENV)/.deps-$(shell cat requirements-dev.txt contract/pyproject.toml library/pyproject.toml operator/pyproject.toml trainer_image/pyproject.toml devcluster/pyproject.toml | sha1sum | cut -c1-12)
 PYTEST_ARGS ?=
 
 .PHONY: setup venv binaries tools prometheus maxtext-venv checkov-venv docs-venv crds lint test test-unit test-integration test-trainer test-e2e sim up down demo bench bench-recovery bench-scale bench-elastic clean
@@ -17,7 +17,7 @@ setup: venv binaries tools prometheus
 venv: $(DEPS_STAMP)
 $(DEPS_STAMP):
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q -r requirements-dev.txt -e contract -e operator -e trainer_image -e devcluster
+	$(PY) -m pip install -q -r requirements-dev.txt -e contract -e 'library[flax]' -e operator -e trainer_image -e devcluster
 	rm -f $(VENV)/.deps-* && touch $@
 
 binaries:

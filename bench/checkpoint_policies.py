@@ -8,7 +8,7 @@ async save with the following steps is exactly what the numbers show.
 
 Per policy (the first --quiet measured steps save nothing, so that every policy's meter starts
 from the same baseline of steps with no save in flight; saves then begin):
-- overhead: the trainer's own meter (tpujob_trainer.cadence.SaveCostMeter), the same for every
+- overhead: the trainer's own meter (tpujob.cadence.SaveCostMeter), the same for every
   policy: (time blocked in save() + slowdown of the steps beside a background save, against the
   median of this run's steps with no save in flight) / productive step time. It compares each run
   with itself, so load from other work on the machine cancels out; `overhead_vs_none` (mean time
@@ -22,7 +22,7 @@ from the same baseline of steps with no save in flight; saves then begin):
 Policies: none, none_async (no per-step wait: what timing every step costs), continuous,
 continuous_min:<s>, fixed:<steps>, adaptive:<budget %> (budget bound alone) and
 adaptive_mtbf:<budget %> (also told --mtbf, as the operator does: Young/Daly can bind).
-Any policy plus `+local:<steps>[@<budget %>]` also saves to the local tier (tpujob_trainer.local_tier,
+Any policy plus `+local:<steps>[@<budget %>]` also saves to the local tier (tpujob.local_tier,
 on a tmpfs-like local directory) every <steps> steps at most, as the trainer does, within the overhead
 budget (default: spec.checkpoint.local.overheadBudgetPercent's; @0: every <steps> steps): compare
 `local_overhead_points` (seconds per step against the same policy without it, in points of the
@@ -69,7 +69,7 @@ def _percentile(values: list[float], q: float) -> float | None:
 
 def _checkpoint_config(spec: str, mtbf: float) -> Any:
     """The trainer's CheckpointConfig for a policy spec (None for none / none_async)."""
-    from tpujob_trainer.config import CheckpointConfig
+    from tpujob.config import CheckpointConfig
 
     kind, _, arg = spec.partition(":")
     if kind in ("none", "none_async"):
@@ -109,8 +109,8 @@ def _storage(kind: str, tmp: Path) -> Iterator[tuple[Path, str, str]]:
 def _run_policy(args: argparse.Namespace, spec: str, root: Path, bucket: str, round_: int = 0) -> dict[str, Any]:
     # Imported here: the emulator's environment must be in place before fsspec/gcsfs load.
     import orbax.checkpoint as ocp
-    from tpujob_trainer import checkpointing
-    from tpujob_trainer.cadence import SaveCostMeter
+    from tpujob import checkpointing
+    from tpujob.cadence import SaveCostMeter
     from tpujob_trainer.config import parse_config
     from tpujob_trainer.data import batch_for_step
     from tpujob_trainer.train import Trainer, make_mesh
@@ -127,8 +127,8 @@ def _run_policy(args: argparse.Namespace, spec: str, root: Path, bucket: str, ro
     name = spec.replace(":", "-").replace(".", "_") + local_name + f"-r{round_}"
     local = None
     if local_every:
-        from tpujob_trainer.config import LocalTierConfig
-        from tpujob_trainer.local_tier import LocalTier
+        from tpujob.config import LocalTierConfig
+        from tpujob.local_tier import LocalTier
 
         local_dir = Path(os.environ.get("TPUJOB_BENCH_LOCAL_DIR") or root.parent / "local") / name
         every, _, budget = local_every.partition("@")

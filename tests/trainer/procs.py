@@ -116,10 +116,12 @@ class Job:
         coordinator: str | None = None,
         only: Sequence[int] | None = None,
         process_env: Callable[[int], dict[str, str]] | None = None,
+        command: Sequence[str] = (sys.executable, "-m", "tpujob_trainer"),
     ) -> Attempt:
         """Launch one attempt: `processes` trainer processes laid out as `slices` equal slices, serving
         or dialing `coordinator` (default: a free loopback port); `only` starts just those processes;
-        `process_env(index)` adds to one process's environment (its own node's paths, say)."""
+        `process_env(index)` adds to one process's environment (its own node's paths, say); `command`
+        is the program each process runs with `args` (default: the built-in trainer)."""
         common = self.env(**(env or {}))
         hosts_per_slice = processes // slices
         if processes > 1:
@@ -136,7 +138,7 @@ class Job:
             out = log.open("wb")
             procs.append(
                 subprocess.Popen(
-                    [sys.executable, "-m", "tpujob_trainer", *args],
+                    [*command, *args],
                     env={
                         **common,
                         "TPUJOB_SLICE_ID": str(index // hosts_per_slice),

@@ -11,8 +11,8 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from tpujob.cadence import budget_interval
 from tpujob_devcluster.fakegcs import FakeGcsServer
-from tpujob_trainer.cadence import budget_interval
 
 from tests.trainer.procs import Job
 

@@ -12,7 +12,7 @@ import math
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
-from tpujob_trainer.cadence import (
+from tpujob.cadence import (
     HEADROOM,
     MIN_IDLE_STEPS,
     Cadence,

@@ -19,9 +19,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from tpujob_trainer import compile_cache
-from tpujob_trainer.compile_cache import GuardedCache, frame, unframe
-from tpujob_trainer.config import compilation_cache_dir, parse_config
+from tpujob import compile_cache
+from tpujob.compile_cache import GuardedCache, frame, unframe
+from tpujob.config import compilation_cache_dir
+from tpujob_trainer.config import parse_config
 
 from tests.trainer.procs import BUCKET, Job
 

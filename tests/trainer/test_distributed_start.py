@@ -16,13 +16,13 @@ from __future__ import annotations
 import time
 
 import pytest
-from tpujob_contract import Env, ExitCode
-from tpujob_trainer.config import (
+from tpujob.config import (
     DEFAULT_DISTRIBUTED_INIT_TIMEOUT_SECONDS,
     FOREVER_SECONDS,
     ConfigError,
     topology_from_env,
 )
+from tpujob_contract import Env, ExitCode
 
 from tests.trainer.procs import Attempt, Job, free_port
 

@@ -15,10 +15,11 @@ from pathlib import Path
 import jax
 import numpy as np
 import pytest
+from tpujob import local_tier
+from tpujob.config import ConfigError, topology_from_env
 from tpujob_contract import Env
 from tpujob_devcluster.fakegcs import FakeGcsServer
-from tpujob_trainer import local_tier
-from tpujob_trainer.config import ConfigError, parse_config, topology_from_env
+from tpujob_trainer.config import parse_config
 from tpujob_trainer.data import batch_for_step
 from tpujob_trainer.train import Trainer, make_mesh
 

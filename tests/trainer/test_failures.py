@@ -12,8 +12,8 @@ import jax
 import pytest
 import requests
 from gcsfs.retry import HttpError
-from tpujob_trainer.bounded import StorageTimeout
-from tpujob_trainer.failures import CheckpointMismatch, Kind, classify
+from tpujob.bounded import StorageTimeout
+from tpujob.failures import CheckpointMismatch, Kind, classify
 
 OCDBT = "in OCDBT database at gs://tpujob-trainer-tests/tests/x/checkpoints/6/default/"
 SPEC = ' [tensorstore_spec[1]=\'{"base":{"driver":"zarr","fill_missing_data_reads":false}}\']'

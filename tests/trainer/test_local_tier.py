@@ -18,9 +18,10 @@ from pathlib import Path
 
 import pytest
 import tpujob_contract as contract
+from tpujob import local_tier
+from tpujob.config import ConfigError, LocalTierConfig
 from tpujob_devcluster.fakegcs import FakeGcsServer
-from tpujob_trainer import local_tier
-from tpujob_trainer.config import ConfigError, LocalTierConfig, parse_config
+from tpujob_trainer.config import parse_config
 
 from tests.trainer.procs import Attempt, Job
 
@@ -227,7 +228,7 @@ def test_the_budget_prices_the_slowdown_beside_a_local_save_not_only_its_blockin
     2%): at least 2780 steps. Pricing the blocking alone (what a save costs a host whose cores
     training leaves idle) gave a few hundred."""
     import jax.numpy as jnp
-    from tpujob_trainer.cadence import HEADROOM
+    from tpujob.cadence import HEADROOM
 
     tier = local_tier.LocalTier(LocalTierConfig(str(tmp_path), 10, 2.0), str(tmp_path / "run"), "uid", 1)
     saved_at, now = -100, 0

@@ -20,8 +20,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 import pytest
 from orbax.checkpoint import checkpoint_managers as cm
-from tpujob_contract import FRESH, LATEST, Resume
-from tpujob_trainer.checkpointing import (
+from tpujob.checkpointing import (
     HOLD_SECONDS,
     AdaptivePolicy,
     CheckpointManager,
@@ -32,7 +31,8 @@ from tpujob_trainer.checkpointing import (
     preservation_policy,
     save_policy,
 )
-from tpujob_trainer.config import CheckpointConfig, ConfigError
+from tpujob.config import CheckpointConfig, ConfigError
+from tpujob_contract import FRESH, LATEST, Resume
 
 BASE = CheckpointConfig(
     policy="continuous", min_interval_seconds=0.0, interval_steps=5, async_save=True,

@@ -12,10 +12,11 @@ import tpujob_contract as contract
 from etils import epath
 from gcsfs.retry import HttpError
 from jax.sharding import PartitionSpec
+from tpujob import checkpointing, failures, progress
+from tpujob.checkpointing import CheckpointIncompatible, StorageError
+from tpujob.config import ConfigError, topology_from_env
 from tpujob_contract import LATEST, QuarantinedStep, Resume
-from tpujob_trainer import checkpointing, failures, progress
-from tpujob_trainer.checkpointing import CheckpointIncompatible, StorageError
-from tpujob_trainer.config import MODELS, ConfigError, parse_config, topology_from_env
+from tpujob_trainer.config import MODELS, parse_config
 from tpujob_trainer.data import batch_for_step
 from tpujob_trainer.train import Trainer, make_mesh, partition_spec, resolve_dtype
 

@@ -13,12 +13,12 @@ import pytest
 import tpujob_contract as contract
 from hypothesis import given
 from hypothesis import strategies as st
+from tpujob.progress import ProgressWriter
 from tpujob_operator.api import OPERATOR_ENV_NAMES, OPERATOR_ENV_PREFIXES, TrainingJobStatus
 from tpujob_operator.facts import Observed
 from tpujob_operator.jobset import build_jobset
 from tpujob_operator.status import with_observations
 from tpujob_trainer.config import parse_config
-from tpujob_trainer.progress import ProgressWriter
 
 from .factories import training_job
 

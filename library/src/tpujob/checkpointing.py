@@ -25,12 +25,12 @@ from jax.experimental import multihost_utils
 from orbax.checkpoint import checkpoint_managers as cm
 from tpujob_contract import COMMIT_MARKER, QuarantinedStep, RestoreFailure, Resume
 
-from tpujob_trainer.bounded import StorageTimeout, bounded
-from tpujob_trainer.cadence import Cadence, Interval, changed_materially
-from tpujob_trainer.config import CheckpointConfig, ConfigError
-from tpujob_trainer.failures import Kind, classify, short_error
+from tpujob.bounded import StorageTimeout, bounded
+from tpujob.cadence import Cadence, Interval, changed_materially
+from tpujob.config import CheckpointConfig, ConfigError
+from tpujob.failures import Kind, classify, short_error
 
-log = logging.getLogger("tpujob_trainer")
+log = logging.getLogger("tpujob")
 
 # Orbax 0.12.8's marker for a finalized step on gs:// (CommitFileTemporaryPath). On a local path
 # the marker is the rename of `<step>.orbax-checkpoint-tmp` to `<step>` (AtomicRenameTemporaryPath).

@@ -60,9 +60,9 @@ from jax._src import cache_key as jax_cache_key
 from jax._src import compilation_cache as jax_cc
 from jax._src.compilation_cache_interface import CacheInterface
 
-from tpujob_trainer.bounded import bounded
+from tpujob.bounded import bounded
 
-log = logging.getLogger("tpujob_trainer")
+log = logging.getLogger("tpujob")
 
 MIN_COMPILE_TIME_ENV = "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"
 SUFFIX = ".xc"

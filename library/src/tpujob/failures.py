@@ -17,7 +17,7 @@ import re
 
 import tpujob_contract as contract
 
-from tpujob_trainer.bounded import StorageTimeout
+from tpujob.bounded import StorageTimeout
 
 
 class Kind(enum.IntEnum):

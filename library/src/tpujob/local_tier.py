@@ -34,11 +34,11 @@ from jax.experimental import multihost_utils
 from orbax.checkpoint import checkpoint_managers as cm
 from orbax.checkpoint import type_handlers
 
-from tpujob_trainer import checkpointing
-from tpujob_trainer.cadence import HEADROOM, SaveCostMeter
-from tpujob_trainer.config import LocalTierConfig
+from tpujob import checkpointing
+from tpujob.cadence import HEADROOM, SaveCostMeter
+from tpujob.config import LocalTierConfig
 
-log = logging.getLogger("tpujob_trainer")
+log = logging.getLogger("tpujob")
 
 KEEP = 2  # committed local steps kept: the newest, and the one before while the next is written
 IDENTITY_FILE = "tpujob-local-identity.json"

@@ -21,9 +21,9 @@ import tpujob_contract as contract
 from etils import epath
 
 if TYPE_CHECKING:  # checkpointing imports this module
-    from tpujob_trainer.checkpointing import AdaptiveCadence
+    from tpujob.checkpointing import AdaptiveCadence
 
-log = logging.getLogger("tpujob_trainer")
+log = logging.getLogger("tpujob")
 
 
 class AttemptProgress:

@@ -22,9 +22,10 @@ import numpy as np
 import optax
 from jax.experimental import mesh_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from tpujob.config import ConfigError
 
 from tpujob_trainer import model
-from tpujob_trainer.config import ConfigError, DType, TrainConfig
+from tpujob_trainer.config import DType, TrainConfig
 
 State = dict[str, Any]
 DATA, FSDP = "data", "fsdp"
