@@ -623,3 +623,48 @@ def test_infrastructure_failures_restart_uncounted_but_not_for_ever_without_a_ne
     # A new commit since the previous failure: the streak starts again.
     status, _ = reconcile(tj, Observed(now=T0, jobsets=(failed,), latest_committed_step=50))
     assert status.phase == "Restarting" and status.uncounted_restarts_without_progress == 1
+
+
+def test_a_restore_fallback_onto_the_pinned_step_is_reported():
+    # The decision pinned step 100; a save of step 120 committed after it, was found damaged, and the
+    # trainer fell back to 100: the pinned step, which status already names as the resume point.
+    tj = training_job(status={"phase": "Restarting", "attempt": 1, "resumedFromStep": 100})
+    broken = contract.RestoreFailure(step=120, error="OCDBT manifest unreadable")
+    record = _progress(step=101, attempt=1, restored_step=100, restore_failures=(broken,), restore_finished_at=T0)
+    status, actions = reconcile(
+        tj, Observed(now=T0, jobsets=(_jobset(attempt=1, pods=(_scheduled(),)),), progress=record)
+    )
+    assert "RestoreFallback" in [e.reason for e in actions.events]
+    again = training_job(status=status.model_dump(by_alias=True, exclude_none=True))
+    later = _progress(step=130, attempt=1, restored_step=100, restore_failures=(broken,), restore_finished_at=T0)
+    _, actions = reconcile(again, Observed(now=T0, jobsets=(_jobset(attempt=1, pods=(_scheduled(),)),), progress=later))
+    assert "RestoreFallback" not in [e.reason for e in actions.events]  # once
+
+
+def test_a_completion_whose_trainer_stopped_on_sigterm_is_not_a_success_when_the_final_step_is_unknown():
+    env = [{"name": "TPUJOB_STEPS", "valueFrom": {"secretKeyRef": {"name": "run", "key": "steps"}}}]
+    tj = training_job(env=env, status={"phase": "Running", "attempt": 0})
+    done = _jobset(state="Completed")
+    stopped = _progress(step=70, state="preempted")
+    status, _ = reconcile(tj, Observed(now=T0, jobsets=(done,), latest_committed_step=70, progress=stopped))
+    assert status.phase == "Restarting" and status.last_failure is not None
+    assert (status.last_failure.reason, status.last_failure.counted) == ("CompletedShort", False)
+    finished = _progress(step=90, state="succeeded")
+    status, _ = reconcile(tj, Observed(now=T0, jobsets=(done,), latest_committed_step=90, progress=finished))
+    assert status.phase == "Succeeded"
+
+
+def test_an_abort_by_the_distributed_runtime_is_a_startup_failure_not_the_jobs():
+    said = "F0101 coordination_service.cc:512] RegisterTask() failed: incarnation mismatch for /job:jax_worker/task:1"
+    aborted = PodFacts("w0", 0, "Failed", exit_code=134, termination_message=said, finished_at=T0)
+    tj = _running(restart={"maxRestarts": 5})
+    status, _ = reconcile(tj, Observed(now=T0, jobsets=(_jobset(state="Failed", pods=(aborted,)),)))
+    failure = status.last_failure
+    assert failure is not None and (failure.kind, failure.reason, failure.counted) == (
+        "StartupFailure",
+        "DistributedRuntimeAborted",
+        False,
+    )
+    crashed = PodFacts("w0", 0, "Failed", exit_code=134, termination_message="Assertion failed: x > 0", finished_at=T0)
+    status, _ = reconcile(tj, Observed(now=T0, jobsets=(_jobset(state="Failed", pods=(crashed,)),)))
+    assert status.last_failure is not None and status.last_failure.counted  # any other abort is the job's

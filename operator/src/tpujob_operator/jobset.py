@@ -237,6 +237,9 @@ def build_jobset(
             *[_slice_index_env(env_name) for env_name in framework.slice_index_env],
         ],
         "ports": [{"name": "coordinator", "containerPort": COORDINATOR_PORT}],
+        # A worker that dies without writing its termination-log (an abort in JAX's distributed runtime,
+        # exit 134) leaves its last log lines there instead: restarts.classify_pod reads them.
+        "terminationMessagePolicy": "FallbackToLogsOnError",
         "resources": _resources(tj, shape.chips_per_host),
         "securityContext": copy.deepcopy(CONTAINER_SECURITY_CONTEXT),
     }

@@ -175,9 +175,9 @@ def _decide(tj: TrainingJob, observed: Observed) -> tuple[TrainingJobStatus, Act
     actions.delete = [js.name for js in older if js.state == "Failed"]
     actions.stop = [js.name for js in older if js.state != "Failed"]
     status = _with_storage(status, observed, actions)
-    restored_before = status.resumed_from_step
+    previous_progress_time = status.last_progress_time
     status = with_observations(status, observed)
-    _report_restore_fallback(status, observed, restored_before, actions)
+    _report_restore_fallback(status, observed, previous_progress_time, actions)
 
     if foreign:
         return _remove_foreign(tj, status, observed, actions, foreign)
@@ -286,13 +286,15 @@ def _with_storage(status: TrainingJobStatus, observed: Observed, actions: Action
 
 
 def _report_restore_fallback(
-    status: TrainingJobStatus, observed: Observed, restored_before: int | None, actions: Actions
+    status: TrainingJobStatus, observed: Observed, previous_progress_time: str | None, actions: Actions
 ) -> None:
     progress = observed.progress
     if progress is None or progress.attempt != status.attempt or not progress.restore_failures:
         return
-    if restored_before == status.resumed_from_step:
-        return  # already reported
+    seen = parse_time(previous_progress_time)
+    restored_at = parse_time(progress.restore_finished_at) or progress.updated
+    if seen is not None and seen >= restored_at:
+        return  # a record of this attempt written after its restore was seen before: already reported
     broken = ", ".join(f"step {f.step} ({f.error})" for f in progress.restore_failures)
     restored = "nothing: fresh start" if progress.restored_step is None else f"step {progress.restored_step}"
     moved = ", ".join(str(q.step) for q in progress.quarantined)
@@ -428,6 +430,13 @@ def _completed(
     The decision reads storage afresh to know."""
     now = observed.now
     final, latest = final_step(tj), observed.latest_committed_step
+    progress = observed.progress
+    if final is None and progress is not None and progress.attempt == status.attempt and progress.state == "preempted":
+        # The final step is unknown (TPUJOB_STEPS from a Secret, MaxText's steps=-1), but the trainer said
+        # it stopped on SIGTERM, short of the end: not a success.
+        message = f"JobSet {current.name} completed, but its trainer stopped on SIGTERM at step {progress.step}"
+        failure = Failure("Preemption", "CompletedShort", f"{message}: its workers were stopped", None, now)
+        return _after_failure(tj, status, observed, actions, current, failure)
     if final is not None and observed.storage_error is not None:
         actions.fresh_storage = True
         actions.requeue_after = STORAGE_RETRY_SECONDS

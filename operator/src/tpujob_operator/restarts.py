@@ -56,6 +56,9 @@ _INFRASTRUCTURE_DISRUPTIONS: dict[str, FailureKind] = {
 }
 _NODE_LOST_POD_REASONS = {"NodeLost", "NodeShutdown", "Terminated"}
 NODE_PRESSURE_EVICTION = "Evicted"  # the pod's status.reason after the kubelet's node-pressure eviction
+ABORTED = 134  # 128 + SIGABRT
+# What JAX's coordination service (XLA's distributed runtime) says when it aborts a healthy process.
+_DISTRIBUTED_ABORT_MARKS = ("incarnation", "registertask", "coordination service")
 # Kinds that blame the job, which the nodes under its pods can show to be the infrastructure's (nodes.py).
 _NODE_ATTRIBUTABLE: frozenset[FailureKind] = frozenset({"ApplicationError", "Unknown"})
 
@@ -98,6 +101,9 @@ def classify_pod(pod: PodFacts) -> Failure | None:
     if pod.exit_code in _NAMED_EXITS:
         kind, reason, what = _NAMED_EXITS[pod.exit_code]
         return Failure(kind, reason, f"pod {pod.name} {what}", pod.slice, pod.finished_at)
+    if pod.exit_code == ABORTED and _distributed_runtime_abort(pod.termination_message):
+        message = f"pod {pod.name} was aborted by JAX's distributed runtime (exit 134): {pod.termination_message}"
+        return Failure("StartupFailure", "DistributedRuntimeAborted", message[:1024], pod.slice, pod.finished_at)
     if pod.exit_code is not None and pod.exit_code != 0:
         reason = pod.reason if pod.reason and pod.reason != "Error" else f"ExitCode{pod.exit_code}"
         return Failure(
@@ -108,6 +114,13 @@ def classify_pod(pod: PodFacts) -> Failure | None:
             pod.finished_at,
         )
     return Failure("Unknown", pod.reason or "PodFailed", f"pod {pod.name} failed", pod.slice, pod.finished_at)
+
+
+def _distributed_runtime_abort(said: str | None) -> bool:
+    """Whether a worker's last words (its log's tail) are JAX's coordination service aborting it: a peer
+    came back with a new incarnation, or it could not register. Not the job's code: a restart fixes it."""
+    text = (said or "").lower()
+    return any(mark in text for mark in _DISTRIBUTED_ABORT_MARKS)
 
 
 def classify_jobset_failure(
