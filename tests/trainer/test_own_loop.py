@@ -89,9 +89,9 @@ def test_example_killed_twice_and_stopped_once_ends_bitwise_equal_to_an_uninterr
         job.kill_all()
 
 
-def _bad_input(job: Job, program: str) -> subprocess.CompletedProcess[str]:
+def _bad_input(job: Job, program: str, **env: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-c", program], env=job.env(), capture_output=True, text=True, timeout=STALL_S
+        [sys.executable, "-c", program], env=job.env(**env), capture_output=True, text=True, timeout=STALL_S
     )
 
 
@@ -140,3 +140,10 @@ def test_data_iterator_states_round_trip_as_json_or_bytes_and_too_large_is_refus
         assert data.decode(row) == state
     with pytest.raises(ValueError, match="more than"):
         data.encode("x" * data.CAPACITY)
+
+
+def test_an_elastic_attempt_on_half_the_slices_accumulates_two_microbatches(job: Job) -> None:
+    program = "import tpujob; print('microbatches', tpujob.start(steps=1).microbatches)"
+    full = _bad_input(job, program)
+    half = _bad_input(job, program, TPUJOB_NUM_SLICES="1", TPUJOB_FULL_SLICES="2")
+    assert "microbatches 1" in full.stdout and "microbatches 2" in half.stdout, half.stderr[-2000:]

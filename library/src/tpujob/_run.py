@@ -109,6 +109,13 @@ class Run:
             self._writer = progress.ProgressWriter(cfg.run_dir, lambda s: checkpointing.is_committed(where, s))
         self._hook = attempt.StepHook(cfg, self._notice, self._status, self._mngr, self._local, self._writer)
 
+    @property
+    def microbatches(self) -> int:
+        """Gradient-accumulation steps per update for this attempt: 1 at the job's full size; on an
+        elastic attempt with fewer slices (TPUJOB_FULL_SLICES / TPUJOB_NUM_SLICES), accumulate this
+        many microbatches of the global batch so that each step is the full-size run's step."""
+        return self.config.topology.microbatches
+
     # -- restore ---------------------------------------------------------------------------------
 
     def restore(self, state: T, data_iterator: Any = None) -> T:
