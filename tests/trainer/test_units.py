@@ -299,10 +299,15 @@ def test_restore_falls_back_to_older_steps_only_for_damage() -> None:
         moved.append(step)
         return f"gs://b/run/quarantine/{step}"
 
-    got = checkpointing.restore_with_fallback(restore, [9, 6, 3], storage_ok, wait, quarantine, sleep=slept.append)
+    def read_back(step: int, error: BaseException) -> checkpointing.StepFiles:  # the data confirms it
+        return checkpointing.StepFiles(damage=f"_METADATA is missing ({failures.short_error(error)})")
+
+    got = checkpointing.restore_with_fallback(
+        restore, [9, 6, 3], storage_ok, wait, quarantine, read_back, sleep=slept.append
+    )
     assert (got.state, got.step, tried, slept) == ("state 3", 3, [9, 9, 6, 3], [])
-    assert [f.step for f in got.failures] == [9, 6] and "FileNotFoundError" in got.failures[0].error
-    # the damaged step at once; the misfit only once an older step restored (training goes on from there)
+    assert [f.step for f in got.failures] == [9, 6] and "_METADATA is missing" in got.failures[0].error
+    # the damaged step and the misfit, once an older step restored (training goes on from there)
     assert moved == [9, 6]
     assert got.quarantined == [
         QuarantinedStep(9, "gs://b/run/quarantine/9"),
@@ -311,10 +316,82 @@ def test_restore_falls_back_to_older_steps_only_for_damage() -> None:
 
     moved.clear()
     with pytest.raises(CheckpointIncompatible) as err:
-        checkpointing.restore_with_fallback(restore, [6], lambda: True, wait, quarantine)
+        checkpointing.restore_with_fallback(restore, [6], lambda: True, wait, quarantine, read_back)
     assert [f.step for f in err.value.failures] == [6] and moved == []  # a misfit alone: left where it is
     with pytest.raises(StorageError):
-        checkpointing.restore_with_fallback(restore, [9], lambda: False, lambda: None, quarantine)
+        checkpointing.restore_with_fallback(restore, [9], lambda: False, lambda: None, quarantine, read_back)
+
+
+def _unread(step: int, error: BaseException) -> checkpointing.StepFiles:
+    raise AssertionError(f"step {step}'s files read back for {error!r}, which does not blame the data")
+
+
+def test_one_misread_error_sets_no_step_aside(tmp_path: Path) -> None:
+    """Errors that look like damage but are not the data's (a local file, XLA's INVALID_ARGUMENT, a step
+    an older attempt's keep removed) condemn nothing: read back, the step's own files contradict them."""
+    checkpoints = tmp_path / "run" / "checkpoints"
+    for step in (3, 6, 9):
+        (checkpoints / str(step) / "default").mkdir(parents=True)
+        (checkpoints / str(step) / "_CHECKPOINT_METADATA").write_text(json.dumps({"step": step}))
+        (checkpoints / str(step) / "default" / "manifest.ocdbt").write_bytes(b"\x00" * 64)
+
+    def read_back(step: int, error: BaseException) -> checkpointing.StepFiles:
+        return checkpointing.StepFiles.read_back(str(checkpoints / str(step)), error)
+
+    moved: list[int] = []
+    slept: list[float] = []
+
+    def quarantine(step: int) -> str:
+        moved.append(step)
+        return f"quarantine/{step}"
+
+    def misread(step: int) -> str:
+        raise FileNotFoundError(2, "No such file or directory", "/tmp/jax-compilation-cache/xla_abc")
+
+    with pytest.raises(FileNotFoundError):  # retried as transient, then exit 1: every step kept
+        checkpointing.restore_with_fallback(
+            misread, [9, 6, 3], lambda: True, lambda: None, quarantine, read_back, sleep=slept.append
+        )
+    assert moved == [] and len(slept) == checkpointing.RESTORE_RETRIES
+
+    def xla(step: int) -> str:
+        raise ValueError("INVALID_ARGUMENT: Executable expected parameter 0 of size 8 but got 16")
+
+    with pytest.raises(ValueError):
+        checkpointing.restore_with_fallback(
+            xla, [9], lambda: True, lambda: None, quarantine, read_back, sleep=slept.append
+        )
+    assert moved == []
+
+    # The same cause on every step never sets them all aside: none restored, all stay (exit 4).
+    (checkpoints / "9" / "_CHECKPOINT_METADATA").write_text("{not json")
+    (checkpoints / "6" / "_CHECKPOINT_METADATA").write_text("{not json")
+    (checkpoints / "3" / "_CHECKPOINT_METADATA").write_text("{not json")
+
+    def broken(step: int) -> str:
+        raise ValueError(f"INVALID_ARGUMENT: Error parsing {checkpoints}/{step}/_CHECKPOINT_METADATA")
+
+    with pytest.raises(CheckpointIncompatible) as err:
+        checkpointing.restore_with_fallback(broken, [9, 6, 3], lambda: True, lambda: None, quarantine, read_back)
+    assert [f.step for f in err.value.failures] == [9, 6, 3] and moved == []
+    assert "_CHECKPOINT_METADATA" in err.value.failures[0].error
+
+    # A step an older attempt's keep removed is passed over, nothing to set aside; a damaged one, read
+    # back, is set aside once an older step restored.
+    for path in sorted((checkpoints / "9").rglob("*"), reverse=True):
+        path.unlink() if path.is_file() else path.rmdir()
+    (checkpoints / "3" / "_CHECKPOINT_METADATA").write_text('{"step": 3}')
+
+    def gone_or_broken(step: int) -> str:
+        if step == 3:
+            return "state 3"
+        raise FileNotFoundError(f"b/bucket/o/run%2Fcheckpoints%2F{step}%2F_CHECKPOINT_METADATA")
+
+    got = checkpointing.restore_with_fallback(
+        gone_or_broken, [9, 6, 3], lambda: True, lambda: None, quarantine, read_back
+    )
+    assert got.step == 3 and [f.step for f in got.failures] == [9, 6] and got.failures[0].error.startswith("gone")
+    assert moved == [6]
 
 
 def test_transient_restore_errors_are_retried_never_a_fallback() -> None:
@@ -334,7 +411,7 @@ def test_transient_restore_errors_are_retried_never_a_fallback() -> None:
         raise AssertionError(f"step {step} quarantined")
 
     got = checkpointing.restore_with_fallback(
-        restore, [9, 6], lambda: True, lambda: None, quarantine, sleep=slept.append
+        restore, [9, 6], lambda: True, lambda: None, quarantine, _unread, sleep=slept.append
     )
     assert (got.step, got.failures, slept) == (9, [], [1, 2, 4])
 
@@ -342,13 +419,15 @@ def test_transient_restore_errors_are_retried_never_a_fallback() -> None:
         raise MemoryError()
 
     with pytest.raises(MemoryError):  # bounded: then the attempt fails (exit 1), the step kept
-        checkpointing.restore_with_fallback(always, [9, 6], lambda: True, lambda: None, quarantine, sleep=slept.append)
+        checkpointing.restore_with_fallback(
+            always, [9, 6], lambda: True, lambda: None, quarantine, _unread, sleep=slept.append
+        )
 
     def forbidden(step: int) -> str:
         raise OSError("Forbidden: b/bucket/o")
 
     with pytest.raises(checkpointing.StoragePermissionDenied):
-        checkpointing.restore_with_fallback(forbidden, [9], lambda: True, lambda: None, quarantine)
+        checkpointing.restore_with_fallback(forbidden, [9], lambda: True, lambda: None, quarantine, _unread)
 
 
 def test_a_step_moved_aside_keeps_its_bytes_and_a_taken_name_gets_a_suffix(tmp_path: Path) -> None:

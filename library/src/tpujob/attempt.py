@@ -233,7 +233,12 @@ def restore_or_init(
     status.update(restore_started_at=contract.now_rfc3339())
     try:
         restored = checkpointing.restore_with_fallback(
-            restore, candidates, lambda: storage_ok(cfg), lambda: wait_for_storage(cfg), quarantine
+            restore,
+            candidates,
+            lambda: storage_ok(cfg),
+            lambda: wait_for_storage(cfg),
+            quarantine,
+            lambda step, error: checkpointing.StepFiles.read_back(str(mngr.directory / str(step)), error),
         )
     except CheckpointIncompatible as err:
         status.update(restore_failures=tuple(err.failures))

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import json
 import logging
 import os
 import signal
@@ -28,7 +29,7 @@ from tpujob_contract import COMMIT_MARKER, QuarantinedStep, RestoreFailure, Resu
 from tpujob.bounded import StorageTimeout, bounded
 from tpujob.cadence import Cadence, Interval, changed_materially
 from tpujob.config import CheckpointConfig, ConfigError
-from tpujob.failures import Kind, classify, short_error
+from tpujob.failures import Kind, classify, named_step_files, short_error, undecodable
 
 log = logging.getLogger("tpujob")
 
@@ -274,11 +275,65 @@ class _Verdict(enum.IntEnum):
     """One restore try, as one process saw it; the largest over all processes wins."""
 
     OK = 0
-    MISMATCH = 1  # the step does not fit this trainer: try an older one, leave it in place
-    DAMAGED = 2  # the step's data is unreadable: quarantine it, try an older one
-    TRANSIENT = 3  # back off and try the same step again
-    OUTAGE = 4  # storage itself fails its probe: wait for it and try the same step again
-    DENIED = 5  # storage refused our identity: exit 5
+    GONE = 1  # the step's directory is gone (an older attempt's `keep` removed it): try an older one
+    MISMATCH = 2  # the step does not fit this trainer: try an older one, leave it in place
+    DAMAGED = 3  # the step's own files, read back, are unreadable: quarantine it, try an older one
+    TRANSIENT = 4  # back off and try the same step again
+    OUTAGE = 5  # storage itself fails its probe: wait for it and try the same step again
+    DENIED = 6  # storage refused our identity: exit 5
+
+
+@dataclasses.dataclass(frozen=True)
+class StepFiles:
+    """What a step's own files say when read back after a restore error that blamed the data."""
+
+    gone: bool = False  # no file left under the step's directory
+    damage: str | None = None  # the evidence: a file that does not read back, or bytes that do not decode
+
+    @staticmethod
+    def read_back(step_dir: str, error: BaseException) -> StepFiles:
+        """Read back the files the error names under `step_dir`, then every file of the step (the
+        metadata must parse); a file missing or unreadable, or an error saying the bytes themselves do
+        not decode, is damage. A restore error that names none of the step's files and that they
+        contradict (a local file, XLA's INVALID_ARGUMENT) is not the data's."""
+        root = epath.Path(step_dir)
+        files = _files_under(root) if root.exists() else []
+        if not files:
+            return StepFiles(gone=True)
+        for name in named_step_files(error, step_dir):
+            path = root / name
+            if not path.exists():
+                return StepFiles(damage=f"{name} is missing ({short_error(error)})")
+            if path.is_file() and (unread := _unreadable(path)):
+                return StepFiles(damage=f"{name}: {unread}")
+        for path in files:
+            if unread := _unreadable(path):
+                return StepFiles(damage=f"{path.relative_to(root)}: {unread}")
+        return StepFiles(damage=short_error(error) if undecodable(error) else None)
+
+
+def _files_under(root: epath.Path) -> list[epath.Path]:
+    """Every file under `root`, sorted (no recursive glob: epath refuses one on gs://)."""
+    found: list[epath.Path] = []
+    folders = [root]
+    while folders:
+        for path in folders.pop().iterdir():
+            (folders if path.is_dir() else found).append(path)
+    return sorted(found)
+
+
+def _unreadable(path: epath.Path) -> str | None:
+    """Why a file of a step does not read back whole (its bytes; a metadata file must parse as JSON)."""
+    try:
+        data = path.read_bytes()
+        if path.name in _JSON_METADATA or path.suffix == ".json":
+            json.loads(data)
+    except Exception as err:
+        return short_error(err)
+    return None
+
+
+_JSON_METADATA = frozenset({"_METADATA", "_CHECKPOINT_METADATA", "_sharding", "_ROOT_METADATA"})
 
 
 _VERDICTS = {Kind.MISMATCH: _Verdict.MISMATCH, Kind.DAMAGED: _Verdict.DAMAGED, Kind.TRANSIENT: _Verdict.TRANSIENT,
@@ -326,28 +381,32 @@ def restore_with_fallback(
     storage_ok: Callable[[], bool],
     wait_for_storage: Callable[[], None],
     quarantine: Callable[[int], str],
+    inspect: Callable[[int, BaseException], StepFiles],
     max_retries: int = RESTORE_RETRIES,
     sleep: Callable[[float], None] = time.sleep,
 ) -> Restored:
     """Restore the first candidate that works, falling back to an older one only for what the
-    data says (failures.classify): a damaged step is quarantined at once (`quarantine(step)`, a
-    collective that moves it and returns where to); one that does not fit this trainer is
-    quarantined once an older step restored (training goes on from there, so it can never be
-    restored again), and left where it is when none did (exit 4: the trainer may be the one that
-    changed). A transient error is retried with backoff (1 s doubling, max_retries times), a storage
-    outage waited out (wait_for_storage); neither ever gives a step up.
+    data says: an error that blames the data (failures.classify) condemns a step only when its own
+    files, read back (`inspect(step, error)`: StepFiles.read_back), confirm it; otherwise it is
+    retried like any transient error. A damaged step, or one that does not fit this trainer, is
+    quarantined (`quarantine(step)`, a collective that moves it and returns where to) only once an
+    older step restored (training goes on from there, so it can never be restored again); when none
+    did, every step stays where it is (exit 4: one cause never sets every step aside, and the
+    trainer may be the one that changed). A step whose directory is gone (an older attempt's keep)
+    is passed over. A transient error is retried with backoff (1 s doubling, max_retries times), a
+    storage outage waited out (wait_for_storage); neither ever gives a step up.
 
     Raises StoragePermissionDenied (exit 5), CheckpointIncompatible when no candidate works (exit
     4), StorageError when storage stays down (exit 3), or the last transient error when its
     retries are spent (exit 1).
     """
     failures: list[RestoreFailure] = []
-    quarantined: list[QuarantinedStep] = []
-    misfits: list[int] = []
+    condemned: list[int] = []  # damaged or misfit: set aside once an older step restored
     for step in candidates:
         delays = backoff_delays()
         for attempt in range(max_retries + 1):
             error: BaseException | None = None
+            evidence: str | None = None
             try:
                 state = restore(step)
                 verdict = _Verdict.OK
@@ -356,22 +415,23 @@ def restore_with_fallback(
                 verdict = _VERDICTS[classify(err)]
                 if verdict in (_Verdict.DAMAGED, _Verdict.TRANSIENT) and not storage_ok():
                     verdict = _Verdict.OUTAGE
+                elif verdict == _Verdict.DAMAGED:
+                    files = inspect(step, err)
+                    evidence = files.damage
+                    verdict = _Verdict.GONE if files.gone else _Verdict.DAMAGED if evidence else _Verdict.TRANSIENT
             verdict = _agree(verdict)
-            text = short_error(error) if error else "failed on another process"
+            text = evidence or (short_error(error) if error else "failed on another process")
             if verdict == _Verdict.OK:
-                for misfit in misfits:
-                    quarantined.append(QuarantinedStep(misfit, quarantine(misfit)))
+                quarantined = [QuarantinedStep(s, quarantine(s)) for s in condemned]
                 return Restored(state, step, failures, quarantined)
             if verdict == _Verdict.DENIED:
                 raise StoragePermissionDenied(text)
-            if verdict in (_Verdict.DAMAGED, _Verdict.MISMATCH):
-                what = "is damaged" if verdict == _Verdict.DAMAGED else "does not fit this trainer"
+            if verdict in (_Verdict.GONE, _Verdict.DAMAGED, _Verdict.MISMATCH):
+                what = {_Verdict.GONE: "is gone", _Verdict.DAMAGED: "is damaged"}.get(verdict, "does not fit")
                 log.warning("resume: step %d %s (%s); trying an older committed step", step, what, text)
-                failures.append(RestoreFailure(step, text))
-                if verdict == _Verdict.DAMAGED:
-                    quarantined.append(QuarantinedStep(step, quarantine(step)))
-                else:
-                    misfits.append(step)
+                failures.append(RestoreFailure(step, text if verdict != _Verdict.GONE else f"gone: {text}"))
+                if verdict != _Verdict.GONE:
+                    condemned.append(step)
                 break
             if attempt == max_retries:
                 if verdict == _Verdict.OUTAGE:

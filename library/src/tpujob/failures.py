@@ -136,3 +136,31 @@ def short_error(err: BaseException) -> str:
     text = " ".join(f"{type(err).__name__}: {err}".split())
     limit = contract.ERROR_TEXT_LIMIT
     return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+# What a restore error says about the bytes themselves: they were read and do not decode or check out.
+_UNDECODABLE = re.compile(
+    r"DATA_LOSS|OUT_OF_RANGE|truncated|corrupt|checksum|does not decode|failed to decode|unexpected end of",
+    re.IGNORECASE,
+)
+_PATH_CHARS = r"[^\s\"'`,;()\[\]{}<>]*"
+
+
+def undecodable(err: BaseException) -> bool:
+    """Whether a link of the chain says the data was read and its bytes do not decode: evidence from
+    the data itself (a missing file, a metadata file that does not parse, are found by reading back)."""
+    return any(_UNDECODABLE.search(str(link)) for link in chain(err))
+
+
+def named_step_files(err: BaseException, step_dir: str) -> list[str]:
+    """The files under `step_dir` that the error chain names (relative to it; gs:// object names as the
+    JSON API prints them, %2F-encoded, too): the ones to read back before the step is condemned."""
+    marker = "/".join(step_dir.rstrip("/").split("/")[-2:]) + "/"  # <checkpoints dir>/<step>/
+    found: list[str] = []
+    for link in chain(err):
+        text = str(link).replace("%2F", "/").replace("%2f", "/")
+        for match in re.finditer(re.escape(marker) + f"({_PATH_CHARS})", text):
+            name = match.group(1).rstrip("/.")
+            if name and name not in found:
+                found.append(name)
+    return found
