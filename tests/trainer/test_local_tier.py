@@ -304,3 +304,30 @@ def test_a_record_says_its_tier_and_an_older_record_still_parses() -> None:
     older = json.loads(contract.to_json(record))
     del older["restored_from"]
     assert contract.from_json(json.dumps(older)).restored_from is None
+
+
+def test_a_local_tier_too_small_for_its_three_copies_says_so_and_saves_nothing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The volume holds the two newest local steps and the one being written: a sizeLimit that fits
+    fewer is refused at the first due save with what to raise it to, and the tier saves nothing more
+    (it used to start saving and fail, or be evicted, once the third copy was written)."""
+    import jax.numpy as jnp
+
+    state = {"w": jnp.zeros((1024, 256), dtype=jnp.float32)}  # 1 MiB on this process
+    assert local_tier.host_bytes(state) == 2**20
+    assert local_tier.room_problem(2**20, 3 * 2**20) is None
+    problem = local_tier.room_problem(2**20, 2 * 2**20 + 1)
+    assert problem is not None and "3 copies of this host's 1Mi state (3Mi) but its volume has 2Mi" in problem
+    assert "sizeLimit to at least 3Mi" in problem  # a quantity the user can set, rounded up
+
+    tier = local_tier.LocalTier(LocalTierConfig(str(tmp_path), 10, 0.0), str(tmp_path / "run"), "uid", 1)
+    monkeypatch.setattr(local_tier, "volume_bytes", lambda directory: 2 * 2**20)  # a 2 MiB tmpfs
+    try:
+        assert not tier.save(5, state)  # not due
+        with pytest.raises(local_tier.Undersized, match="holds up to 3 copies"):
+            tier.save(10, state)
+        assert not tier.save(20, state) and tier.off
+    finally:
+        tier.close()
+    assert local_steps(tmp_path) == []

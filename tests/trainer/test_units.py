@@ -197,7 +197,7 @@ def test_progress_record_and_line() -> None:
     assert set(json.loads(contract.to_json(record))) == {
         "step", "loss", "steps_per_second", "last_committed_step", "attempt", "resumed_from_step", "updated_at",
         "state", "uid", "restored_step", "restored_from", "restore_failures", "quarantined", "storage_denied",
-        "save_failures", "process_started_at",
+        "save_failures", "local_tier_problem", "process_started_at",
         "storage_ready_at", "restore_started_at", "restore_finished_at", "first_step_at", "save_blocking_seconds",
         "checkpoint_interval_seconds", "checkpoint_interval_bound", "save_cost_seconds",
         "checkpoint_overhead_percent", "mtbf_seconds",

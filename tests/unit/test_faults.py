@@ -668,3 +668,20 @@ def test_an_abort_by_the_distributed_runtime_is_a_startup_failure_not_the_jobs()
     crashed = PodFacts("w0", 0, "Failed", exit_code=134, termination_message="Assertion failed: x > 0", finished_at=T0)
     status, _ = reconcile(tj, Observed(now=T0, jobsets=(_jobset(state="Failed", pods=(crashed,)),)))
     assert status.last_failure is not None and status.last_failure.counted  # any other abort is the job's
+
+
+def test_a_local_tier_that_does_not_save_is_said_in_status_once():
+    tj = _running(checkpoint={"directory": "gs://acme-ckpt/runs", "local": {"sizeLimit": "2Gi"}})
+    problem = "the local tier holds up to 3 copies of this host's 1024Mi state (3072Mi) but its volume has 2048Mi"
+    record = _progress(step=60, local_tier_problem=problem)
+    status, actions = reconcile(tj, Observed(now=T0, jobsets=(_jobset(pods=(_scheduled(),)),), progress=record))
+    assert _condition(status, "LocalCheckpointTierSaving") == ("False", "LocalTierNotSaving", problem)
+    assert [e.message for e in actions.events if e.reason == "LocalTierNotSaving"] == [problem]
+    again = training_job(
+        checkpoint={"directory": "gs://acme-ckpt/runs", "local": {"sizeLimit": "2Gi"}},
+        status=status.model_dump(by_alias=True, exclude_none=True),
+    )
+    _, actions = reconcile(again, Observed(now=T0, jobsets=(_jobset(pods=(_scheduled(),)),), progress=record))
+    assert "LocalTierNotSaving" not in [e.reason for e in actions.events]  # told once
+    saving, _ = reconcile(again, Observed(now=T0, jobsets=(_jobset(pods=(_scheduled(),)),), progress=_progress(61)))
+    assert _condition(saving, "LocalCheckpointTierSaving")[:2] == ("True", "Saving")

@@ -282,6 +282,9 @@ class ProgressRecord:
     # Storage refused this attempt (401/403, exit 5): "gs://bucket as <identity>: <error>".
     storage_denied: str | None = None
     save_failures: int = 0  # saves of this attempt that raised; training went on and retried
+    # Why the local tier (spec.checkpoint.local) does not save in this attempt: its volume is too small
+    # for the copies it holds, or a save failed. None: it saves, or there is none.
+    local_tier_problem: str | None = None
     process_started_at: str | None = None
     storage_ready_at: str | None = None  # the storage probe passed
     restore_started_at: str | None = None

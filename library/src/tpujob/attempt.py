@@ -338,8 +338,13 @@ def save_local(local: LocalTier, step: int, state: Any, status: AttemptProgress)
         blocked_from = time.monotonic()
         if local.save(step, state):
             status.save_blocked(time.monotonic() - blocked_from)
+            status.update(local_tier_problem=None)
+    except local_tier.Undersized as err:
+        log.error("local tier: %s", err)
+        status.update(local_tier_problem=str(err))
     except Exception as err:
         log.warning("local tier: save of step %d failed (%s); GCS saves go on", step, failures.short_error(err))
+        status.update(local_tier_problem=f"the save of step {step} failed: {failures.short_error(err)}")
 
 
 def committed(mngr: CheckpointManager, step: int) -> bool:

@@ -21,6 +21,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import os
 import shutil
 import time
 from collections.abc import Sequence
@@ -41,6 +42,7 @@ from tpujob.config import LocalTierConfig
 log = logging.getLogger("tpujob")
 
 KEEP = 2  # committed local steps kept: the newest, and the one before while the next is written
+COPIES = KEEP + 1  # what the volume holds at most: the kept steps and the one being written
 IDENTITY_FILE = "tpujob-local-identity.json"
 STEPS_DIR = "checkpoints"
 _AGREE_SLOTS = 8  # newest committed local steps each process offers to the agreement
@@ -78,6 +80,47 @@ def identity(run_dir: str, job_uid: str, num_slices: int) -> dict[str, Any]:
     return {"run_dir": run_dir, "uid": job_uid, "process_index": jax.process_index(),
             "process_count": jax.process_count(), "device_count": jax.device_count(),
             "num_slices": num_slices}  # fmt: skip
+
+
+class Undersized(RuntimeError):
+    """The local tier's volume cannot hold the copies it keeps of this host's state."""
+
+
+def host_bytes(state: Any) -> int:
+    """The bytes of the state this process writes: the first replica of each shard on its devices."""
+    leaves = jax.tree.leaves(state)
+    on_devices = sum(
+        int(shard.data.nbytes)
+        for leaf in leaves
+        if isinstance(leaf, jax.Array)
+        for shard in leaf.addressable_shards
+        if shard.replica_id == 0
+    )
+    return on_devices + sum(int(np.asarray(leaf).nbytes) for leaf in leaves if not isinstance(leaf, jax.Array))
+
+
+def volume_bytes(directory: str) -> int:
+    """The size of the filesystem under `directory` (a memory-backed emptyDir is a tmpfs of its sizeLimit)."""
+    found = os.statvfs(directory)
+    return found.f_blocks * found.f_frsize
+
+
+def room_problem(state_bytes: int, volume: int) -> str | None:
+    """Why a volume of `volume` bytes cannot hold the local tier's COPIES of a `state_bytes` state; None if it can."""
+    needed = COPIES * state_bytes
+    if needed <= volume:
+        return None
+    return (
+        f"the local tier holds up to {COPIES} copies of this host's {_mebibytes(state_bytes)} state "
+        f"({_mebibytes(needed)}) but its volume has {volume // 2**20}Mi: raise "
+        f"spec.checkpoint.local.sizeLimit to at least {_mebibytes(needed)} (and the node's memory with it); "
+        "local saves are off, GCS saves go on"
+    )
+
+
+def _mebibytes(size: int) -> str:
+    """A size as a Kubernetes quantity, rounded up to whole MiB (what sizeLimit takes)."""
+    return f"{math.ceil(size / 2**20)}Mi"
 
 
 def prepare(directory: str, want: dict[str, Any]) -> Path:
@@ -167,6 +210,7 @@ class LocalTier:
         # budget is paid back first, as the GCS tier's adaptive policy pays its debt (the same on every process).
         self.hold_until = 0
         self._due_saves = 0
+        self.off = False  # its volume is too small for its copies (Undersized): GCS alone
         self.meter = SaveCostMeter(min_idle_steps=MIN_IDLE_STEPS)
         budget = f"{cfg.overhead_budget_percent:g}% of step time" if cfg.overhead_budget_percent else "no budget"
         log.info("local tier: %s, every %d steps at most (%s)", steps, cfg.interval_steps, budget)
@@ -187,10 +231,16 @@ class LocalTier:
 
     def save(self, step: int, state: Any) -> bool:
         """Start an async save if the interval says so (blocking only for the copy off the devices,
-        and for a previous local save still in flight). Called at every step on every process."""
+        and for a previous local save still in flight). Called at every step on every process.
+        Raises Undersized at the first due save when a process's volume cannot hold COPIES of its state."""
         # The interval first: Orbax's own decision costs a little Python on every step.
-        if not self._due(step):
+        if self.off or not self._due(step):
             return False
+        if self._due_saves == 0:
+            mine = room_problem(host_bytes(state), volume_bytes(self.cfg.directory))
+            if not checkpointing.agree_all(mine is None):  # saves are collective: all save, or none
+                self.off = True
+                raise Undersized(mine or "the local tier of another process is too small for its state")
         self._due_saves += 1
         if self.cfg.overhead_budget_percent and self._due_saves in RECHOOSE_AT_SAVES:
             self._rechoose(step)

@@ -482,8 +482,9 @@ class LocalCheckpointSpec(ApiModel):
     )
     size_limit: Quantity = Field(
         description=(
-            "sizeLimit of the memory-backed emptyDir (e.g. 64Gi): the checkpoint state of one host, two steps "
-            "of it while a save replaces the last; it counts against the node's memory."
+            "sizeLimit of the memory-backed emptyDir (e.g. 64Gi): three copies of one host's checkpoint state "
+            "(the two newest local steps and the one being written); it counts against the node's memory. Too "
+            "small, the local tier does not save (condition LocalCheckpointTierSaving False) and GCS saves go on."
         ),
         json_schema_extra={
             "x-kubernetes-validations": [

@@ -71,6 +71,8 @@ STORAGE_RETRY_SECONDS = 10.0  # storage could not be read: try again soon
 STORAGE_CONDITION = "CheckpointStorageReachable"
 PREVIOUS_ATTEMPT_CHECK_SECONDS = 2.0  # an earlier attempt's workers are ending: look again soon
 PREVIOUS_ATTEMPT_ENDING = "PreviousAttemptEnding"
+LOCAL_TIER_CONDITION = "LocalCheckpointTierSaving"
+LOCAL_TIER_NOT_SAVING = "LocalTierNotSaving"
 # Attempts that fail in a row because the workers cannot reach checkpoint storage (exit 3, after the
 # trainer's own 600 s wait) are restarted, uncounted, for this long from the first; then the job fails.
 # So does a job whose storage the operator cannot read for this long (its progress unknown meanwhile).
@@ -178,6 +180,7 @@ def _decide(tj: TrainingJob, observed: Observed) -> tuple[TrainingJobStatus, Act
     previous_progress_time = status.last_progress_time
     status = with_observations(status, observed)
     _report_restore_fallback(status, observed, previous_progress_time, actions)
+    status = _with_local_tier(tj, status, observed, actions)
 
     if foreign:
         return _remove_foreign(tj, status, observed, actions, foreign)
@@ -306,6 +309,24 @@ def _report_restore_fallback(
             f"attempt {status.attempt} could not restore {broken}; restored {restored}{aside}",
         )
     )
+
+
+def _with_local_tier(
+    tj: TrainingJob, status: TrainingJobStatus, observed: Observed, actions: Actions
+) -> TrainingJobStatus:
+    """LocalCheckpointTierSaving, from the current attempt's record: False with the trainer's words when
+    the local tier does not save (a volume too small for its copies, a failed save), and a Warning when
+    that first shows or changes; the GCS tier goes on either way."""
+    progress = observed.progress
+    if tj.spec.checkpoint.local is None or progress is None or progress.attempt != status.attempt:
+        return status
+    problem = progress.local_tier_problem
+    previous = next((c for c in status.conditions if c.type == LOCAL_TIER_CONDITION), None)
+    if problem and (previous is None or previous.status == "True" or previous.message != problem):
+        actions.events.append(Event("Warning", LOCAL_TIER_NOT_SAVING, problem))
+    reason, message = (LOCAL_TIER_NOT_SAVING, problem) if problem else ("Saving", "the local tier saves")
+    conditions = set_condition(status.conditions, LOCAL_TIER_CONDITION, problem is None, reason, message, observed.now)
+    return status.model_copy(update={"conditions": conditions})
 
 
 def _known_latest_step(status: TrainingJobStatus, observed: Observed) -> int | None:
