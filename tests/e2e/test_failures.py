@@ -30,6 +30,21 @@ def process_exiting_non_zero_spends_the_budget_then_fails(e2e: E2E) -> None:
     assert (status["lastFailure"]["kind"], status["lastFailure"]["reason"]) == ("ApplicationError", "ExitCode2")
     failed = next(c for c in status["conditions"] if c["type"] == "Failed")
     assert failed["reason"] == "RestartBudgetExhausted" and "1/1" in failed["message"]
+    # A Failed job holds nothing 60 s later (docs/concepts/invariants.md, promise 6): no JobSet, no pod
+    # Running or Pending. Polled up to twice that: the pod runner of a loaded machine is slow to end pods.
+    deadline = time.monotonic() + 2 * RELEASE_SECONDS
+    while held := _held(e2e, "badcfg"):
+        assert time.monotonic() < deadline, f"a Failed job still holds {held}"
+        time.sleep(1)
+
+
+RELEASE_SECONDS = 60
+
+
+def _held(e2e: E2E, name: str) -> list[str]:
+    jobsets = [js["metadata"]["name"] for js in e2e.jobsets() if js["metadata"]["name"].startswith(f"{name}-a")]
+    pods = [p.metadata.name for p in e2e.pods(f"tpujob.dev/name={name}") if p.status.phase in ("Running", "Pending")]
+    return jobsets + pods
 
 
 def killed_process_is_restarted_and_counted(e2e: E2E) -> None:
