@@ -681,16 +681,12 @@ def _blind_too_long(
     """The operator could not read storage for longer than the limit: the job ends, uncounted, and its
     workers are stopped with their save grace (a healthy trainer saves its step, a hung one frees its
     slices). Re-created once storage answers, it resumes from what they committed."""
-    now = observed.now
-    status.completion_time = rfc3339(now)
     message = (
         f"the operator could not read checkpoint storage for {blind:.0f}s (more than {STORAGE_OUTAGE_LIMIT_SECONDS}s): "
         f"{observed.storage_error}; its progress is unknown, so its workers were stopped (they save first): "
         "re-create the job once gs://" + _bucket(tj) + " can be read by the operator"
     )
-    actions.events.append(Event("Warning", OPERATOR_STORAGE_OUTAGE_REASON, message))
-    failed = _enter(status, "Failed", OPERATOR_STORAGE_OUTAGE_REASON, message, "Finished", now)
-    return _given_up(tj, failed, observed, actions)
+    return _give_up(tj, status, observed, actions, OPERATOR_STORAGE_OUTAGE_REASON, message)
 
 
 def _shrunk(
@@ -860,16 +856,13 @@ def _after_failure(
         since = parse_time(status.storage_unavailable_since) or failure.time or now
         status.storage_unavailable_since = rfc3339(since)
         if (now - since).total_seconds() > STORAGE_OUTAGE_LIMIT_SECONDS:
-            status.completion_time = rfc3339(now)
             message = (
                 f"checkpoint storage unreachable from the workers in every attempt since {rfc3339(since)}, more "
                 f"than {STORAGE_OUTAGE_LIMIT_SECONDS} s: {failure.message}; check that gs://"
                 f"{_bucket(tj)} is reachable from the "
                 "nodes, then re-create the job"
             )
-            actions.events.append(Event("Warning", STORAGE_OUTAGE_REASON, message))
-            failed = _enter(status, "Failed", STORAGE_OUTAGE_REASON, message, "Finished", now)
-            return _given_up(tj, failed, observed, actions)
+            return _give_up(tj, status, observed, actions, STORAGE_OUTAGE_REASON, message)
     else:
         status.storage_unavailable_since = None
     if failure.kind in TERMINAL_KINDS:
@@ -878,15 +871,12 @@ def _after_failure(
         failed = with_phase(status, "Failed", failure.reason, failure.message, now)
         return _given_up(tj, _staged(failed, "Finished", now), observed, actions)
     if status.uncounted_restarts_without_progress > MAX_UNCOUNTED_RESTARTS_WITHOUT_PROGRESS:
-        status.completion_time = rfc3339(now)
         message = (
             f"{MAX_UNCOUNTED_RESTARTS_WITHOUT_PROGRESS} restarts after infrastructure failures in a row committed no "
             f"new step (still {latest}); last failure: {failure.kind}: {failure.message}; none was counted: "
             "look at the node pool's health and the workers' start-up, then re-create the job"
         )
-        actions.events.append(Event("Warning", NO_PROGRESS_REASON, message))
-        failed = _enter(status, "Failed", NO_PROGRESS_REASON, message, "Finished", now)
-        return _given_up(tj, failed, observed, actions)
+        return _give_up(tj, status, observed, actions, NO_PROGRESS_REASON, message)
     if counted and not budget_left(policy, status.counted_restarts + rounds - 1):
         actions.events.append(
             Event(
@@ -1010,6 +1000,16 @@ def _permission_advice(tj: TrainingJob, current: JobSetFacts) -> str:
         f"service account) may not use bucket gs://{bucket}{trainer}: grant it roles/storage.objectUser on the "
         "bucket, then re-create the job"
     )
+
+
+def _give_up(
+    tj: TrainingJob, status: TrainingJobStatus, observed: Observed, actions: Actions, reason: str, message: str
+) -> tuple[TrainingJobStatus, Actions]:
+    """End the job Failed for `reason`, a Warning Event saying `message`; it releases what it holds."""
+    status.completion_time = rfc3339(observed.now)
+    actions.events.append(Event("Warning", reason, message))
+    failed = _enter(status, "Failed", reason, message, "Finished", observed.now)
+    return _given_up(tj, failed, observed, actions)
 
 
 def _given_up(
