@@ -68,16 +68,21 @@ def _call_name(call: ast.Call) -> str:
     return func.id if isinstance(func, ast.Name) else func.attr if isinstance(func, ast.Attribute) else ""
 
 
-def reasons_in_source(source: str) -> set[str]:
-    """Every reason a module's calls to the reason-taking functions can pass (see _REASON_ARGS)."""
-    tree = ast.parse(source)
-    constants = {
+def module_constants(tree: ast.Module) -> dict[str, str]:
+    """A module's string constants at its top level (NAME = "text"), by name."""
+    return {
         t.id: a.value.value
         for a in tree.body
         if isinstance(a, ast.Assign) and isinstance(a.value, ast.Constant) and isinstance(a.value.value, str)
         for t in a.targets
         if isinstance(t, ast.Name)
     }
+
+
+def reasons_in_source(source: str) -> set[str]:
+    """Every reason a module's calls to the reason-taking functions can pass (see _REASON_ARGS)."""
+    tree = ast.parse(source)
+    constants = module_constants(tree)
     found: set[str] = set()
     functions = [n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef | ast.AsyncFunctionDef)]
     # Each function is the scope its locals are looked up in (module-level code has no reasons).

@@ -20,7 +20,7 @@ import yaml
 from tpujob_devcluster.controlplane import tools_dir
 from tpujob_operator import api, restarts
 
-from .test_docs import DOCS, OPERATOR, ROOT, _call_name, _strings
+from .test_docs import DOCS, OPERATOR, ROOT, _call_name, _strings, module_constants
 
 CHART = ROOT / "charts" / "tpujob"
 
@@ -188,13 +188,7 @@ def event_reasons_in_source(source: str) -> set[str]:
     module constant or a local, and through a function that posts an Event with its own `reason`
     parameter, what its callers pass (test_docs.reasons_in_source, narrowed to Events)."""
     tree = ast.parse(source)
-    constants = {
-        t.id: a.value.value
-        for a in tree.body
-        if isinstance(a, ast.Assign) and isinstance(a.value, ast.Constant) and isinstance(a.value.value, str)
-        for t in a.targets
-        if isinstance(t, ast.Name)
-    }
+    constants = module_constants(tree)
     functions = [n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef | ast.AsyncFunctionDef)]
     found: set[str] = set()
     forwarders: dict[str, int] = {}  # function name -> the position of the reason it posts, among its callers' args
