@@ -248,7 +248,7 @@ def test_a_pod_whose_node_is_deleted_is_failed_at_once_and_its_loss_is_not_count
     for name in nodes:
         _create_node(cluster, name)
     running = {"running": {"startedAt": _now()}}
-    _bound_pod(cluster, jobset, 0, healthy, running)
+    healthy_pod = _bound_pod(cluster, jobset, 0, healthy, running)
     lost_pod = _bound_pod(cluster, jobset, 1, doomed, running)
     time.sleep(2)  # the operator has seen both pods on their nodes
     assert cluster.core.read_namespaced_pod(lost_pod, cluster.namespace).status.phase == "Running"
@@ -267,4 +267,11 @@ def test_a_pod_whose_node_is_deleted_is_failed_at_once_and_its_loss_is_not_count
     failure = status["lastFailure"]
     assert (failure["kind"], failure["counted"], failure["slice"]) == ("NodeLost", False, 1), failure
     assert status["countedRestarts"] == 0 and status["phase"] != "Failed", status
+    # The failed attempt's JobSet goes, and its peer with it in 5 s of grace: this tier runs no kubelet (nor
+    # owner references on the test's pods), so the test ends the peer itself. The next attempt waits for
+    # that: it never starts beside a trainer of the previous one.
+    eventually(lambda: cluster.jobset(f"{unique_name}-a0") is None or None, what="JobSet a0 deleted")
+    time.sleep(2)  # a decision or two that must not create a1 yet
+    assert cluster.jobset(f"{unique_name}-a1") is None
+    cluster.core.delete_namespaced_pod(healthy_pod, cluster.namespace, grace_period_seconds=0)
     eventually(lambda: cluster.jobset(f"{unique_name}-a1"), what="JobSet a1, the uncounted restart")

@@ -428,12 +428,12 @@ class World:
         for save in self.storage.in_flight.values():
             if save.group != group.key:
                 save.cut = True
-        alive = [
+        alive = [  # a group with a dead process is stuck in its collectives: it writes nothing more
             other.key
             for other in self.groups.values()
             if other.key != group.key
             and other.attempt < group.attempt
-            and any(self.pods[n].process_alive for n in other.pods)
+            and all(self.pods[n].process_alive for n in other.pods)
         ]
         if alive:
             self.truth.overlaps.append(f"t={self.now}: attempt {group.attempt} started while {alive} still ran")
@@ -471,8 +471,8 @@ class World:
                 continue
             del self.storage.in_flight[step]
             group = self.groups[save.group]
-            if not any(self.pods[n].process_alive for n in group.pods):
-                continue  # killed before its save committed: the step directory stays uncommitted
+            if not all(self.pods[n].process_alive for n in group.pods):
+                continue  # a process died before the commit (it needs every one): the step stays uncommitted
             self.storage.committed.add(step)
             if save.cut:
                 self.storage.damaged.add(step)

@@ -500,10 +500,10 @@ def _with_peer_on(node: str, finished=T0):
 
 def test_a_restart_starts_no_attempt_while_a_worker_of_the_failed_one_may_still_write():
     tj = _running(restart={"backoffSeconds": 0, "maxRestarts": 5})
-    nodes = {"n0": NodeFacts("n0", ready="True"), "n1": NodeFacts("n1", ready="Unknown")}
+    nodes = {"n0": NodeFacts("n0", ready="True"), "n1": NodeFacts("n1", ready="True")}
     later = T0 + timedelta(seconds=90)  # past the nodes' verdict wait: the failure is decided
     status, actions = reconcile(tj, Observed(now=later, jobsets=(_with_peer_on("n1"),), nodes=nodes))
-    # The peer is on an unreachable node: its trainer may still save into the run directory.
+    # The peer ends within its 5 s of grace: until then it may still write the run directory.
     assert actions.delete == ["llama-a0"] and actions.create_attempt is None and status.attempt == 1
     assert "1 worker pods of the previous attempt" in _condition(status, "Restarting")[2]
     after = training_job(restart={"backoffSeconds": 0, "maxRestarts": 5}, status=status.model_dump(by_alias=True))
@@ -512,6 +512,23 @@ def test_a_restart_starts_no_attempt_while_a_worker_of_the_failed_one_may_still_
     assert _condition(still, "Restarting")[1] == _condition(status, "Restarting")[1]  # the failure's reason stays
     _, actions = reconcile(after, Observed(now=later, earlier_pods=0, nodes=nodes, latest_committed_step=40))
     assert (actions.create_attempt, actions.resume_step) == (1, 40)
+
+
+def test_a_worker_cut_off_on_an_unreachable_node_is_waited_for_only_while_it_could_still_commit():
+    nodes = {"n0": NodeFacts("n0", ready="True"), "n1": NodeFacts("n1", ready="Unknown")}
+    later = T0 + timedelta(seconds=90)
+    tj = _running(restart={"backoffSeconds": 0, "maxRestarts": 5})
+    # Beside a peer that failed, it can neither train nor commit (a save needs every process): go on.
+    _, actions = reconcile(tj, Observed(now=later, jobsets=(_with_peer_on("n1"),), nodes=nodes))
+    assert actions.create_attempt == 1
+    # Alone in its attempt (a one-host job), it may train and commit on: wait for it.
+    hung = _running(restart={"backoffSeconds": 0, "maxRestarts": 5, "hangTimeoutSeconds": 60})
+    alone = PodFacts("w0", 0, "Running", created=T0, scheduled_at=T0, node="n1")
+    jobsets = (_jobset(pods=(alone,), expected_pods=1),)
+    observed = Observed(now=later, jobsets=jobsets, nodes=nodes, progress=_progress(), latest_committed_step=40)
+    status, actions = reconcile(hung, observed)
+    assert status.last_failure is not None and status.last_failure.kind == "Hang"
+    assert status.last_failure is not None and actions.create_attempt is None and status.attempt == 1
 
 
 def test_a_restart_with_no_backoff_goes_on_at_once_when_the_failed_attempts_workers_are_gone():

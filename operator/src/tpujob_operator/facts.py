@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Container, Mapping
+from collections.abc import Container, Iterable, Mapping
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Literal
@@ -14,10 +14,34 @@ POD_ENDED_PHASES = ("Succeeded", "Failed")  # a pod in either has ended for good
 
 
 def may_still_run(phase: str | None, node: str | None, nodes: Container[str] | None) -> bool:
-    """Whether a worker pod's trainer may still run, and so write its run directory: it has not ended
-    and is bound to a node that exists (`nodes`: the names known to exist; None: unknown, any node
-    counts). A pod deleted but not ended still runs: its kubelet may be unreachable, its save in flight."""
+    """Whether a worker pod's trainer may still run: it has not ended and is bound to a node that exists
+    (`nodes`: the names known to exist; None: unknown, any node counts). A pod deleted but not ended
+    still runs: its kubelet may be unreachable, its save in flight."""
     return phase not in POD_ENDED_PHASES and node is not None and (nodes is None or node in nodes)
+
+
+@dataclass(frozen=True)
+class Worker:
+    """A worker pod as far as who may still write a run directory is concerned."""
+
+    attempt: int
+    phase: str | None
+    node: str | None
+
+
+def still_writing(workers: Iterable[Worker], nodes: Container[str] | None, unreachable: Container[str]) -> int:
+    """How many of `workers` may still write their run directory: they may still run (may_still_run),
+    except one on a node whose kubelet cannot be reached beside a peer of its attempt that ended. That
+    one's trainer is cut off from its peers: it can neither train nor commit a save, which needs every
+    process; it stays in the API until its node comes back or goes, which nothing needs to wait for.
+    Alone, or with every peer alive, it may still train and commit, and is waited for."""
+    workers = list(workers)
+    broken = {w.attempt for w in workers if w.phase in POD_ENDED_PHASES}
+    return sum(
+        1
+        for w in workers
+        if may_still_run(w.phase, w.node, nodes) and not (w.node in unreachable and w.attempt in broken)
+    )
 
 
 @dataclass(frozen=True)

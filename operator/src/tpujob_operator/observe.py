@@ -19,7 +19,7 @@ import tpujob_contract as contract
 from tpujob_contract import LABEL_ATTEMPT, QUEUE_LABEL
 
 from . import api, checkpoints, elastic, frameworks, nodes
-from .facts import POD_ENDED_PHASES, JobSetFacts, NodeFacts, Observed, may_still_run
+from .facts import POD_ENDED_PHASES, JobSetFacts, NodeFacts, Observed, Worker, still_writing
 from .jobset import expected_pods, incarnation_uid, jobset_facts, queue_name, workload_admission
 from .kube import Cluster
 from .memory import JobMemory, Lookup
@@ -175,13 +175,18 @@ def snapshot(key: JobKey, indexes: Indexes, job: JobMemory | None) -> Snapshot |
     return Snapshot(key, dict(body), jobsets, pods, workloads, _nodes_under(indexes, pods), every_node)
 
 
-def _earlier_and_running(pod: Mapping[str, Any], attempt: int, nodes: Mapping[str, Any] | None) -> bool:
-    """A worker pod of an attempt before `attempt` that may still run its trainer (facts.may_still_run;
-    `nodes`: those under the job's pods; None: no node index, any node counts)."""
-    label = str((pod.get("metadata", {}).get("labels") or {}).get(LABEL_ATTEMPT, ""))
-    phase = (pod.get("status") or {}).get("phase")
-    running = may_still_run(phase, (pod.get("spec") or {}).get("nodeName"), nodes)
-    return label.isdigit() and int(label) < attempt and running
+def _earlier_writers(pods: Iterable[Mapping[str, Any]], attempt: int, bodies: Mapping[str, Any] | None) -> int:
+    """Worker pods of attempts before `attempt` that may still write their run directory
+    (facts.still_writing; `bodies`: the Nodes under the job's pods; None: no node index, any node counts)."""
+    workers = []
+    for pod in pods:
+        label = str((pod.get("metadata", {}).get("labels") or {}).get(LABEL_ATTEMPT, ""))
+        if label.isdigit() and int(label) < attempt:
+            node = (pod.get("spec") or {}).get("nodeName")
+            workers.append(Worker(int(label), (pod.get("status") or {}).get("phase"), node))
+    found = {name: nodes.node_facts(body) for name, body in (bodies or {}).items()}
+    unreachable = {name for name, n in found.items() if n.ready in ("False", "Unknown")}
+    return still_writing(workers, bodies, unreachable)
 
 
 def _nodes_under(indexes: Indexes, pods: Iterable[dict[str, Any]]) -> dict[str, dict[str, Any]] | None:
@@ -337,7 +342,7 @@ class Observer:
             storage_error=error,
             storage_denied=denied and error is not None,
             foreign_pods=len(foreign_running),
-            earlier_pods=len([p for p in ours if _earlier_and_running(p, tj.status.attempt, snapshot.nodes)]),
+            earlier_pods=_earlier_writers(ours, tj.status.attempt, snapshot.nodes),
             spare_pools=self._spare_pools(job, tj, snapshot, attempt_pods),
             queue_name=queue_name(tj, self.default_queue),
             nodes=self._node_facts(snapshot, facts, tj.status.in_place_round),

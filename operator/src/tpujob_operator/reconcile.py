@@ -13,6 +13,7 @@ be read, and every clock starts again when a suspension ends or storage comes ba
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Iterable
 from datetime import datetime
 
 from tpujob_contract import STORAGE_DENIED_PREFIX, ExitCode
@@ -33,7 +34,7 @@ from .api import (
     TrainingJob,
     TrainingJobStatus,
 )
-from .facts import Actions, CreationRefused, Event, JobSetFacts, Observed, PodFacts, may_still_run
+from .facts import Actions, CreationRefused, Event, JobSetFacts, Observed, PodFacts, Worker, still_writing
 from .jobset import jobset_name
 from .nodes import pods_on_gone_nodes, recorded_pods_on_gone_nodes
 from .restarts import (
@@ -414,16 +415,18 @@ def _without_jobset(
     return with_phase(status, "Restarting", "Restoring", f"attempt {status.attempt} resumes {where}", now), actions
 
 
-def _still_running(pods: tuple[PodFacts, ...], observed: Observed) -> int:
-    """How many of `pods` may still run their trainer (facts.may_still_run)."""
-    names = observed.nodes.keys() if observed.nodes is not None else None
-    return sum(1 for p in pods if may_still_run(p.phase, p.node, names))
+def _still_writing(jobsets: Iterable[JobSetFacts], observed: Observed) -> int:
+    """How many worker pods of `jobsets` may still write their run directory (facts.still_writing)."""
+    workers = [Worker(js.attempt, p.phase, p.node) for js in jobsets for p in js.pods]
+    nodes = observed.nodes
+    unreachable = {name for name, n in (nodes or {}).items() if n.ready in ("False", "Unknown")}
+    return still_writing(workers, nodes.keys() if nodes is not None else None, unreachable)
 
 
 def _still_running_before(attempt: int, observed: Observed) -> int:
-    """Workers of attempts before `attempt` that the JobSets observed hold and that may still run (the
+    """Workers of attempts before `attempt` that the JobSets observed hold and that may still write (the
     attempt observed current, which this very decision replaced; observed.earlier_pods has the rest)."""
-    return sum(_still_running(js.pods, observed) for js in observed.jobsets if js.attempt < attempt)
+    return _still_writing((js for js in observed.jobsets if js.attempt < attempt), observed)
 
 
 def _with_later_resume_point(status: TrainingJobStatus, latest: int | None) -> None:
@@ -506,7 +509,7 @@ def _suspension(
         # Someone else (a queueing system) suspended it: its decision stands until it resumes the JobSet.
         message = f"JobSet {current.name} was suspended by another controller; training resumes when it is resumed"
         return _enter(status, "Suspended", "SuspendedExternally", message, "Suspended", now), actions
-    if saving := _still_running(current.pods, observed):
+    if saving := _still_writing((current,), observed):
         # The suspension's workers are still making their save: resuming now would start new workers
         # beside them, and replacing the JobSet would cut the save short.
         actions.requeue_after = PREVIOUS_ATTEMPT_CHECK_SECONDS
