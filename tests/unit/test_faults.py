@@ -564,6 +564,13 @@ def test_an_earlier_attempt_left_by_a_dead_operator_is_stopped_unless_it_failed(
     assert actions.delete == ["llama-a0"] and not actions.stop
 
 
+def _decided(tj, failed: PodFacts):
+    """The decision on a Failed JobSet whose one pod is `failed`, and the failure it records."""
+    status, _ = reconcile(tj, Observed(now=T0, jobsets=(_jobset(state="Failed", pods=(failed,)),)))
+    assert status.last_failure is not None
+    return status, status.last_failure
+
+
 def test_a_node_pressure_eviction_is_the_jobs_own_and_counts():
     tj = _running(restart={"maxRestarts": 5})
     evicted = PodFacts(
@@ -577,13 +584,8 @@ def test_a_node_pressure_eviction_is_the_jobs_own_and_counts():
         disruption_reason="TerminationByKubelet",
         finished_at=T0,
     )
-    status, _ = reconcile(tj, Observed(now=T0, jobsets=(_jobset(state="Failed", pods=(evicted,)),)))
-    failure = status.last_failure
-    assert failure is not None and (failure.kind, failure.reason, failure.counted) == (
-        "ApplicationError",
-        "Evicted",
-        True,
-    )
+    status, failure = _decided(tj, evicted)
+    assert (failure.kind, failure.reason, failure.counted) == ("ApplicationError", "Evicted", True)
     assert "node pressure: The node was low on resource: memory." in failure.message
     assert status.counted_restarts == 1
     shutdown = PodFacts(
@@ -595,8 +597,7 @@ def test_a_node_pressure_eviction_is_the_jobs_own_and_counts():
         disruption_reason="TerminationByKubelet",
         finished_at=T0,
     )
-    status, _ = reconcile(tj, Observed(now=T0, jobsets=(_jobset(state="Failed", pods=(shutdown,)),)))
-    assert status.last_failure is not None and not status.last_failure.counted  # a node shutdown is not the job's
+    assert not _decided(tj, shutdown)[1].counted  # a node shutdown is not the job's
 
 
 def test_an_operator_blind_to_storage_past_the_limit_stops_the_job_with_the_save_grace_uncounted():
@@ -675,16 +676,10 @@ def test_an_abort_by_the_distributed_runtime_is_a_startup_failure_not_the_jobs()
     said = "F0101 coordination_service.cc:512] RegisterTask() failed: incarnation mismatch for /job:jax_worker/task:1"
     aborted = PodFacts("w0", 0, "Failed", exit_code=134, termination_message=said, finished_at=T0)
     tj = _running(restart={"maxRestarts": 5})
-    status, _ = reconcile(tj, Observed(now=T0, jobsets=(_jobset(state="Failed", pods=(aborted,)),)))
-    failure = status.last_failure
-    assert failure is not None and (failure.kind, failure.reason, failure.counted) == (
-        "StartupFailure",
-        "DistributedRuntimeAborted",
-        False,
-    )
+    failure = _decided(tj, aborted)[1]
+    assert (failure.kind, failure.reason, failure.counted) == ("StartupFailure", "DistributedRuntimeAborted", False)
     crashed = PodFacts("w0", 0, "Failed", exit_code=134, termination_message="Assertion failed: x > 0", finished_at=T0)
-    status, _ = reconcile(tj, Observed(now=T0, jobsets=(_jobset(state="Failed", pods=(crashed,)),)))
-    assert status.last_failure is not None and status.last_failure.counted  # any other abort is the job's
+    assert _decided(tj, crashed)[1].counted  # any other abort is the job's
 
 
 def test_a_local_tier_that_does_not_save_is_said_in_status_once():

@@ -29,13 +29,15 @@ class Worker:
     node: str | None
 
 
-def still_writing(workers: Iterable[Worker], nodes: Container[str] | None, unreachable: Container[str]) -> int:
-    """How many of `workers` may still write their run directory: they may still run (may_still_run),
-    except one on a node whose kubelet cannot be reached beside a peer of its attempt that ended. That
-    one's trainer is cut off from its peers: it can neither train nor commit a save, which needs every
-    process; it stays in the API until its node comes back or goes, which nothing needs to wait for.
-    Alone, or with every peer alive, it may still train and commit, and is waited for."""
+def still_writing(workers: Iterable[Worker], nodes: Mapping[str, NodeFacts] | None) -> int:
+    """How many of `workers` may still write their run directory: they may still run (may_still_run;
+    `nodes`: those under the pods, by name; None: unknown), except one on a node whose kubelet cannot
+    be reached (Ready False or Unknown) beside a peer of its attempt that ended. That one's trainer is
+    cut off from its peers: it can neither train nor commit a save, which needs every process; it stays
+    in the API until its node comes back or goes, which nothing needs to wait for. Alone, or with every
+    peer alive, it may still train and commit, and is waited for."""
     workers = list(workers)
+    unreachable = {name for name, n in (nodes or {}).items() if n.ready in ("False", "Unknown")}
     broken = {w.attempt for w in workers if w.phase in POD_ENDED_PHASES}
     return sum(
         1

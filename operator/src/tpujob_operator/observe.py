@@ -184,9 +184,8 @@ def _earlier_writers(pods: Iterable[Mapping[str, Any]], attempt: int, bodies: Ma
         if label.isdigit() and int(label) < attempt:
             node = (pod.get("spec") or {}).get("nodeName")
             workers.append(Worker(int(label), (pod.get("status") or {}).get("phase"), node))
-    found = {name: nodes.node_facts(body) for name, body in (bodies or {}).items()}
-    unreachable = {name for name, n in found.items() if n.ready in ("False", "Unknown")}
-    return still_writing(workers, bodies, unreachable)
+    found = None if bodies is None else {name: nodes.node_facts(body) for name, body in bodies.items()}
+    return still_writing(workers, found)
 
 
 def _nodes_under(indexes: Indexes, pods: Iterable[dict[str, Any]]) -> dict[str, dict[str, Any]] | None:

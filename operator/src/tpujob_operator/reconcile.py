@@ -417,10 +417,7 @@ def _without_jobset(
 
 def _still_writing(jobsets: Iterable[JobSetFacts], observed: Observed) -> int:
     """How many worker pods of `jobsets` may still write their run directory (facts.still_writing)."""
-    workers = [Worker(js.attempt, p.phase, p.node) for js in jobsets for p in js.pods]
-    nodes = observed.nodes
-    unreachable = {name for name, n in (nodes or {}).items() if n.ready in ("False", "Unknown")}
-    return still_writing(workers, nodes.keys() if nodes is not None else None, unreachable)
+    return still_writing((Worker(js.attempt, p.phase, p.node) for js in jobsets for p in js.pods), observed.nodes)
 
 
 def _still_running_before(attempt: int, observed: Observed) -> int:
