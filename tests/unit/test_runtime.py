@@ -14,7 +14,7 @@ from tpujob_operator.observe import Reads, merged_jobsets, newest, slim_jobset, 
 from tpujob_operator.reconcile import after_creation_refused
 from tpujob_operator.runtime import PROGRESS_CHECK_SECONDS, Runtime, RuntimeSettings
 
-from .factories import progress_record
+from .factories import progress_record, training_job
 
 T0 = datetime(2026, 11, 30, 12, 0, tzinfo=UTC)
 LISTED = RunView(latest_committed_step=100, listed=True)
@@ -205,3 +205,36 @@ def test_each_runtime_has_its_own_handlers_settings_and_metrics():
     assert indexes[0] == [*indexes[1], "tpujob_workloads"]  # only where the flag asks for the Workloads watch
     assert quick.metrics.registry is not plain.metrics.registry
     assert (quick.observer.check_seconds, plain.observer.check_seconds) == (1.0, PROGRESS_CHECK_SECONDS)
+
+
+class _Apiserver:
+    """Stand-in for the apiserver's answer to one GET: the cache lagging a JobSet that runs cannot be
+    staged against a real one on demand."""
+
+    def __init__(self, jobset: dict[str, Any] | None) -> None:
+        self.jobset = jobset
+
+    def get_jobset(self, namespace: str, name: str) -> dict[str, Any] | None:
+        return self.jobset if self.jobset and self.jobset["metadata"]["name"] == name else None
+
+
+_MINE = {"name": "llama-a0", "labels": {"tpujob.dev/uid": "0000-1111"}}
+
+
+@pytest.mark.parametrize(
+    ("live", "runs"),
+    [
+        ({"metadata": _MINE, "spec": {}}, True),
+        ({"metadata": _MINE, "spec": {"suspend": True}}, False),
+        ({"metadata": {**_MINE, "deletionTimestamp": "2026-11-30T12:00:00Z"}, "spec": {}}, False),
+        ({"metadata": {"name": "llama-a0", "labels": {"tpujob.dev/uid": "another incarnation"}}, "spec": {}}, False),
+        (None, False),
+    ],
+)
+def test_a_policy_refusal_reads_the_running_attempt_from_the_apiserver_not_the_cache(live, runs):
+    """A refusal releases the job's JobSets: one the cache does not show yet but the apiserver has, not
+    suspended and of this incarnation, runs, and the job goes on with a warning instead."""
+    runtime = Runtime()
+    runtime._cluster = _Apiserver(live)  # type: ignore[assignment]
+    tj = training_job(status={"phase": "Running", "jobSetName": "llama-a0"})
+    assert runtime._attempt_runs(tj) is runs

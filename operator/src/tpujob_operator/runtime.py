@@ -220,7 +220,7 @@ class Runtime:
         # A job that breaks the policy is refused, unless its attempt already runs: that one goes on
         # (never stopped unsaved by a tightened policy), and the job is not restarted outside the policy.
         problems = policy.violations(tj, self.settings.policy)
-        if problems and policy.running_attempt(tj, snapshot.jobsets) is None:
+        if problems and policy.running_attempt(tj, snapshot.jobsets) is None and not self._attempt_runs(tj):
             return self._release(key, job, uid, self._refuse_for_policy(job, body, tj, problems), snapshot, tj)
         observed = self.observer.observe(key, job, tj, snapshot, deciding=False)
         status, actions = reconcile(tj, observed)
@@ -330,6 +330,13 @@ class Runtime:
         if current.phase != "Failed":
             return self._fail(job, body, current, "InvalidSpec", message)
         return current
+
+    def _attempt_runs(self, tj: api.TrainingJob) -> bool:
+        """Whether the job's current JobSet runs, read from the apiserver: a refusal releases it, and the
+        cache may not show yet a JobSet that runs."""
+        name = tj.status.job_set_name
+        found = self.cluster().get_jobset(tj.metadata["namespace"], name) if name else None
+        return found is not None and policy.running_attempt(tj, [found]) is not None
 
     def _refuse_for_policy(
         self, job: JobMemory, body: dict[str, Any], tj: api.TrainingJob, problems: list[str]
