@@ -9,6 +9,8 @@ VENV := .venv
 PY := $(VENV)/bin/python
 DEPS_STAMP := $(VENV)/.deps-$(shell cat requirements-dev.txt contract/pyproject.toml library/pyproject.toml operator/pyproject.toml trainer_image/pyproject.toml devcluster/pyproject.toml | sha1sum | cut -c1-12)
 PYTEST_ARGS ?=
+# make test: two pytest-xdist workers (the e2e tier, one devcluster, goes to one of them whole).
+PYTEST_WORKERS ?= 2
 
 .PHONY: setup venv binaries tools prometheus maxtext-venv checkov-venv docs-venv crds lint test test-unit test-integration test-trainer test-e2e sim up down demo bench bench-recovery bench-scale bench-elastic clean
 
@@ -77,7 +79,7 @@ lint: venv tools prometheus checkov-venv docs-venv
 
 # One tier alone: test-unit, test-integration, test-trainer, test-e2e.
 test: setup lint maxtext-venv
-	$(PY) -m pytest $(PYTEST_ARGS)
+	$(PY) -m pytest -n $(PYTEST_WORKERS) --dist loadgroup --durations=25 $(PYTEST_ARGS)
 
 test-unit: venv
 	$(PY) -m pytest tests/unit $(PYTEST_ARGS)

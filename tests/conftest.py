@@ -14,6 +14,18 @@ from tpujob_devcluster.fakegcs import FakeGcsServer, start_fake_gcs
 
 REPO = Path(__file__).resolve().parents[1]
 TEST_BUCKET = "tpujob-tests"
+TIERS = ("unit", "sim", "trainer", "integration", "e2e")
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Each test carries its tier's marker, the folder it is in (`-m "not e2e"`). The e2e tier shares one
+    devcluster, so pytest-xdist hands all of it to one worker (`--dist loadgroup`)."""
+    for item in items:
+        tier = item.path.relative_to(REPO / "tests").parts[0]
+        if tier in TIERS:
+            item.add_marker(tier)
+        if tier == "e2e":
+            item.add_marker(pytest.mark.xdist_group("devcluster"))
 
 
 @pytest.fixture(scope="session")

@@ -28,8 +28,6 @@ from tpujob_devcluster.harness import helm_install_operator, pod_pids, signal_po
 from tpujob_devcluster.kueue import HIGH_PRIORITY, LOW_PRIORITY
 from tpujob_operator import api, checkpoints
 
-pytestmark = [pytest.mark.e2e, pytest.mark.slow]
-
 E2E_POOLS = {
     # 2 jobs x 2 slices at once, plus a spare for a restart; v5e pools for the 1-host failure tests.
     "pools": [{"name": f"v5p-{c}", "accelerator": "tpu-v5p-slice", "topology": "2x2x2"} for c in "abcde"]

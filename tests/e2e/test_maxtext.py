@@ -23,7 +23,7 @@ from tpujob_operator import api
 
 from .conftest import E2E
 
-pytestmark = [pytest.mark.e2e, pytest.mark.slow]
+pytestmark = pytest.mark.slow
 
 STEPS = 300
 # A tiny MaxText model on CPU (examples/maxtext.yaml's, with a metrics file per step).

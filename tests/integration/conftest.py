@@ -17,7 +17,6 @@ from tpujob_devcluster.fakegcs import FakeGcsServer
 from tpujob_operator import api, handlers
 from tpujob_operator.runtime import Runtime, RuntimeSettings
 
-pytestmark = pytest.mark.integration
 T = TypeVar("T")
 
 

@@ -25,7 +25,6 @@ from .conftest import eventually, training_job_manifest
 from .test_helm import helm
 from .test_operator import Cluster
 
-pytestmark = pytest.mark.integration
 CHART = Path(__file__).resolve().parents[2] / "charts" / "tpujob"
 IN_PLACE = {"strategy": "InPlace", "maxRestarts": 0, "backoffSeconds": 0}
 

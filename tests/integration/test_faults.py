@@ -21,8 +21,6 @@ from tpujob_operator.kube import Conflict, load_config
 from .conftest import eventually, training_job_manifest
 from .test_operator import Cluster, _now
 
-pytestmark = pytest.mark.integration
-
 
 @pytest.fixture
 def cluster(kube: client.ApiClient, namespace: str) -> Cluster:

@@ -20,7 +20,6 @@ from ..conftest import TEST_BUCKET
 from .conftest import eventually, training_job_manifest
 from .test_operator import Cluster
 
-pytestmark = pytest.mark.integration
 JOBS = 4
 # The resources the operator reads; other components (the controller-manager) use other ones.
 OPERATOR_RESOURCES = {"trainingjobs", "jobsets", "pods", "events", "workloads"}

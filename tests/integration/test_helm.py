@@ -6,14 +6,12 @@ import subprocess
 from pathlib import Path
 from typing import Any
 
-import pytest
 import yaml
 from kubernetes import client
 from tpujob_devcluster.controlplane import tools_dir
 
 from .conftest import eventually
 
-pytestmark = pytest.mark.integration
 CHART = Path(__file__).resolve().parents[2] / "charts" / "tpujob"
 
 

@@ -29,7 +29,6 @@ from tpujob_contract import ACCELERATOR_LABEL, JOBSET_GROUP, JOBSET_VERSION, TOP
 from tpujob_devcluster.cluster import DevCluster
 from tpujob_devcluster.controlplane import tools_dir
 
-pytestmark = pytest.mark.integration
 T = TypeVar("T")
 
 POOLS = {

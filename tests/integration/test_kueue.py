@@ -37,7 +37,6 @@ from tpujob_devcluster.kueue import (
 )
 from tpujob_devcluster.pools import load_pools
 
-pytestmark = pytest.mark.integration
 T = TypeVar("T")
 
 POOLS = {

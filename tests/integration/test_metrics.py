@@ -23,8 +23,6 @@ from ..conftest import TEST_BUCKET
 from .conftest import OperatorThread, eventually, training_job_manifest
 from .test_operator import Cluster
 
-pytestmark = pytest.mark.integration
-
 
 @pytest.fixture
 def cluster(kube, namespace) -> Cluster:

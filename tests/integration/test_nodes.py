@@ -23,8 +23,6 @@ from tpujob_operator.nodes import NODE_VERDICT_WAIT_SECONDS
 from .conftest import eventually, training_job_manifest
 from .test_operator import Cluster, _now
 
-pytestmark = pytest.mark.integration
-
 
 @pytest.fixture
 def cluster(kube: client.ApiClient, namespace: str) -> Cluster:

@@ -21,8 +21,6 @@ from tpujob_operator.jobset import build_jobset
 from ..conftest import TEST_BUCKET
 from .conftest import eventually, training_job_manifest
 
-pytestmark = pytest.mark.integration
-
 
 def _now() -> str:
     return datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")

@@ -23,7 +23,6 @@ from ..conftest import TEST_BUCKET
 from .conftest import eventually, training_job_manifest
 from .test_operator import Cluster
 
-pytestmark = pytest.mark.integration
 CHART = Path(__file__).resolve().parents[2] / "charts" / "tpujob"
 ALLOWED = f"gs://{TEST_BUCKET}/runs"
 _IN = {"directory": ALLOWED}

@@ -21,9 +21,11 @@ from .conftest import eventually, training_job_manifest
 from .test_fleet import _running_worker
 from .test_operator import Cluster
 
-pytestmark = pytest.mark.integration
 JOBS = 12  # more than the 8 slots the jobs' checks share
-REACTION_LIMIT_SECONDS = 4.0  # before: at least one blackholed read's timeout (10 s), in practice 30 s or more
+# A reconcile waits this long for a progress check's read (reads.py's 5 s, longer here): a reaction that
+# waited for one would come after it. Before: at least one blackholed read's timeout, in practice 30 s or more.
+CHECK_READ_SECONDS = 20.0
+REACTION_LIMIT_SECONDS = CHECK_READ_SECONDS / 2
 
 
 @pytest.fixture
@@ -74,7 +76,8 @@ def test_a_failure_is_acted_on_within_seconds_while_the_operators_storage_does_n
     start_operator, cluster, unique_name, blackhole, monkeypatch
 ):
     monkeypatch.setenv("STORAGE_EMULATOR_HOST", blackhole)  # the operator's GCS client, made lazily, uses it
-    start_operator(RuntimeSettings(progress_check_seconds=1.0))  # every job's check is due all the time
+    operator = start_operator(RuntimeSettings(progress_check_seconds=1.0))  # every job's check is due all the time
+    operator.runtime.reads.check_seconds = CHECK_READ_SECONDS
     names = [f"{unique_name}-{i}" for i in range(JOBS)]
     one_slice = {"accelerator": "tpu-v5p-slice", "topology": "2x2x1", "slices": 1}
     for name in names:

@@ -16,7 +16,6 @@ from tpujob_operator import api, crd
 
 from .conftest import eventually, training_job_manifest
 
-pytestmark = pytest.mark.integration
 CHART = Path(__file__).resolve().parents[2] / "charts" / "tpujob"
 
 

@@ -11,13 +11,10 @@ import copy
 from datetime import UTC, datetime
 from typing import Any
 
-import pytest
 from kubernetes import client
 
 from .conftest import eventually, training_job_manifest
 from .test_operator import Cluster
-
-pytestmark = pytest.mark.integration
 
 
 def _create_slice_job(control_plane: Any, jobset: dict[str, Any]) -> tuple[int, str]:

@@ -38,7 +38,6 @@ from ..conftest import REPO, TEST_BUCKET
 from .conftest import OperatorThread, eventually, training_job_manifest
 from .test_operator import Cluster
 
-pytestmark = pytest.mark.integration
 AUDIT_POLICY = {
     "apiVersion": "audit.k8s.io/v1",
     "kind": "Policy",

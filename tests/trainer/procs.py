@@ -53,25 +53,42 @@ class Attempt:
             if p.poll() is None:
                 p.send_signal(sig)
 
-    def wait(self, timeout: float) -> list[int]:
-        deadline = time.monotonic() + timeout
+    def _tail(self) -> str:
+        return self.output(0)[-4000:]
+
+    def _written(self) -> int:
+        return sum(log.stat().st_size if log.exists() else 0 for log in self.logs)
+
+    def _stalled(self, since: list[float], seen: list[int], quiet: float) -> bool:
+        """Whether the processes wrote nothing for `quiet` seconds (they log every step, every save and
+        restore, and each compilation's start): a stall, where a slow machine is only slower."""
+        written = self._written()
+        if written != seen[0]:
+            seen[0], since[0] = written, time.monotonic()
+        return time.monotonic() - since[0] > quiet
+
+    def wait(self, quiet: float) -> list[int]:
+        """The exit codes, once every process exited; fails if they all stay silent `quiet` seconds."""
+        since, seen = [time.monotonic()], [self._written()]
         try:
-            codes = [p.wait(max(0.1, deadline - time.monotonic())) for p in self.procs]
-        except subprocess.TimeoutExpired:
-            self.signal(signal.SIGKILL)
-            raise AssertionError(f"trainer did not exit within {timeout}s; output:\n{self.output(0)[-4000:]}") from None
+            while any(p.poll() is None for p in self.procs):
+                if self._stalled(since, seen, quiet):
+                    self.signal(signal.SIGKILL)
+                    raise AssertionError(f"trainer silent for {quiet}s before exiting; output:\n{self._tail()}")
+                time.sleep(0.05)
         finally:
             for f in self.files:
                 f.close()
-        return codes
+        return [int(p.returncode) for p in self.procs]
 
-    def wait_until(self, predicate: Any, timeout: float, poll: float = 0.05) -> None:
-        deadline = time.monotonic() + timeout
+    def wait_until(self, predicate: Any, quiet: float, poll: float = 0.05) -> None:
+        """Until `predicate()` holds; fails if the processes exit first or stay silent `quiet` seconds."""
+        since, seen = [time.monotonic()], [self._written()]
         while not predicate():
             if not self.running():
-                raise AssertionError(f"trainer exited early; output:\n{self.output(0)[-4000:]}")
-            if time.monotonic() > deadline:
-                raise AssertionError(f"condition not met within {timeout}s; output:\n{self.output(0)[-4000:]}")
+                raise AssertionError(f"trainer exited early; output:\n{self._tail()}")
+            if self._stalled(since, seen, quiet):
+                raise AssertionError(f"condition not met, trainer silent for {quiet}s; output:\n{self._tail()}")
             time.sleep(poll)
 
 

@@ -26,7 +26,6 @@ from tpujob_contract import Env, ExitCode
 
 from tests.trainer.procs import Attempt, Job, free_port
 
-pytestmark = pytest.mark.trainer
 SHAPE = ["--batch-size", "4", "--seq-len", "32"]
 
 
@@ -39,7 +38,7 @@ def _launch(job: Job, args: list[str], coordinator: str, indexes: list[int], **e
 def test_a_coordinator_address_another_job_serves_is_refused_and_the_other_job_trains_on(job: Job) -> None:
     address = f"127.0.0.1:{free_port()}"
     running = _launch(job, ["--steps", "100000", *SHAPE, "--log-every", "1"], address, [0, 1])
-    running.wait_until(lambda: "resume: " in running.output(0), timeout=180)  # past JAX's start-up
+    running.wait_until(lambda: "resume: " in running.output(0), quiet=180)  # past JAX's start-up
     # Another job's coordinator handed the same address (two devclusters' pods before the pod runner's
     # fix; a stale peer): its process 0 starts while the first job trains.
     (job.log_dir / "other").mkdir()
@@ -52,13 +51,13 @@ def test_a_coordinator_address_another_job_serves_is_refused_and_the_other_job_t
         assert intruder.wait(200) == [ExitCode.DISTRIBUTED_STARTUP], intruder.output()
         assert "is already served by another process" in intruder.output()
         step = running.last_step()
-        running.wait_until(lambda: running.last_step() >= step + 2, timeout=180)  # still one job, training
+        running.wait_until(lambda: running.last_step() >= step + 2, quiet=180)  # still one job, training
         assert all(p.poll() is None for p in running.procs), running.output(1)
     finally:
         other.kill_all()
 
 
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(240)
 def test_the_wait_for_peers_is_the_operators_not_jaxs_fixed_300s(job: Job) -> None:
     """Process 0 of a 2-process attempt whose peer never comes: JAX gives up when the operator's
     env says (here 3 s), where before it waited JAX's 300 s whatever the scheduling clock allowed."""
@@ -67,7 +66,8 @@ def test_the_wait_for_peers_is_the_operators_not_jaxs_fixed_300s(job: Job) -> No
     )
     started = time.monotonic()
     codes = alone.wait(80)
-    assert codes != [0] and time.monotonic() - started < 80, alone.output()
+    # Against JAX's 300 s, not against the machine's speed: half of it is start-up's room on any day.
+    assert codes != [0] and time.monotonic() - started < 150, alone.output()
     assert "DEADLINE_EXCEEDED" in alone.output(), alone.output()  # JAX's own end: its abort, exit 134
 
 

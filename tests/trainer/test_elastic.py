@@ -43,12 +43,10 @@ _LOSS = re.compile(r"^step (\d+)/\d+ loss ([\d.]+) ", re.MULTILINE)
 # ~lr = 3e-3, i.e. ~3e-2 of their scale).
 SCALE_TOL = 1e-5
 
-pytestmark = pytest.mark.trainer
-
 
 def _stop_at_committed_step(job: Job, attempt: Attempt, after: int) -> int:
     """SIGTERM once the attempt is past `after`: it saves the step it stops at; returns that step."""
-    attempt.wait_until(lambda: attempt.last_step() > after, timeout=120)
+    attempt.wait_until(lambda: attempt.last_step() > after, quiet=120)
     attempt.signal(signal.SIGTERM)
     codes = attempt.wait(90)
     assert set(codes) == {143}, attempt.output(0)

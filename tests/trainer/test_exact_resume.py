@@ -20,7 +20,7 @@ from tpujob_devcluster.fakegcs import FakeGcsServer
 
 from tests.trainer.procs import Attempt, Job
 
-pytestmark = [pytest.mark.trainer, pytest.mark.slow]
+pytestmark = pytest.mark.slow
 
 M = 40
 ARGS = ["--steps", str(M), "--batch-size", "8", "--seq-len", "32"]
@@ -57,7 +57,7 @@ def test_killed_and_restarted_run_is_bitwise_equal_to_uninterrupted(
         # 1. SIGKILL at a random step once something is committed.
         attempt, _ = _restart(job)
         target = rng.randint(8, 16)
-        attempt.wait_until(lambda: attempt.last_step() >= target and bool(job.committed_steps()), timeout=240)
+        attempt.wait_until(lambda: attempt.last_step() >= target and bool(job.committed_steps()), quiet=240)
         attempt.signal(signal.SIGKILL)
         attempt.wait(30)
         kills.append(f"SIGKILL at step {attempt.last_step()}")
@@ -68,7 +68,7 @@ def test_killed_and_restarted_run_is_bitwise_equal_to_uninterrupted(
         # directories (it does so before its first save), so a partial directory now is a live save.
         attempt.wait_until(
             lambda: attempt.last_step() > expected and _in_flight_save(job, expected) is not None,
-            timeout=240,
+            quiet=240,
             poll=0.01,
         )
         attempt.signal(signal.SIGKILL)
@@ -89,7 +89,7 @@ def test_killed_and_restarted_run_is_bitwise_equal_to_uninterrupted(
         # 4. SIGTERM at a random step: saves exactly that step, exits 143 on both processes.
         attempt, expected = _restart(job)
         target = expected + rng.randint(3, 8)
-        attempt.wait_until(lambda: attempt.last_step() >= target, timeout=240)
+        attempt.wait_until(lambda: attempt.last_step() >= target, quiet=240)
         attempt.signal(signal.SIGTERM)
         assert attempt.wait(90) == [143, 143], attempt.output(0)
         assert _resumed_from(attempt) == expected

@@ -13,7 +13,6 @@ from tpujob_devcluster.fakegcs import FakeGcsServer
 from tests.trainer.faults import RestartableGcs
 from tests.trainer.procs import BUCKET, Attempt, Job
 
-pytestmark = pytest.mark.trainer
 SHAPE = ["--batch-size", "4", "--seq-len", "32"]
 TINY = ["--steps", "12", *SHAPE]
 
@@ -31,7 +30,7 @@ def test_storage_down_at_start_is_waited_out(faulty_job: Job, faulty_gcs: Restar
     faulty_gcs.stop()
     attempt = faulty_job.start(TINY, {"TPUJOB_STORAGE_TIMEOUT_SECONDS": "3"})
     # Today's trainer gives up (exit 3) after the first probe; now it retries with backoff.
-    attempt.wait_until(lambda: "storage probe 2 failed" in attempt.output(), timeout=120, poll=0.2)
+    attempt.wait_until(lambda: "storage probe 2 failed" in attempt.output(), quiet=120, poll=0.2)
     faulty_gcs.start()
     assert attempt.wait(150) == [0], attempt.output()
     assert "storage answers again after" in attempt.output()
@@ -70,7 +69,7 @@ def test_storage_faults_mid_run_cost_nothing(
 
 def _run_with_faults(faulty_job: Job, faulty_gcs: RestartableGcs, reference: Attempt, args: list[str]) -> None:
     attempt = faulty_job.start(args)
-    attempt.wait_until(lambda: bool(faulty_job.committed_steps()) and attempt.last_step() >= 100, timeout=120)
+    attempt.wait_until(lambda: bool(faulty_job.committed_steps()) and attempt.last_step() >= 100, quiet=120)
     faults = [f"bucket 404 from step {attempt.last_step()}"]
     faulty_gcs.hide_bucket(BUCKET)
     try:

@@ -25,8 +25,6 @@ from tpujob_trainer.config import parse_config
 
 from tests.trainer.procs import Attempt, Job
 
-pytestmark = pytest.mark.trainer
-
 M = 30
 # Steps of a few tens of milliseconds: the local tier gets ahead of GCS for several steps at a time.
 ARGS = ["--steps", str(M), "--batch-size", "16", "--seq-len", "64"]
@@ -60,7 +58,7 @@ def _kill_ahead_of_gcs(job: Job, attempt: Attempt, dirs: list[Path]) -> tuple[in
         return sorted(s for s in common if committed and s > committed[-1])
 
     while True:
-        attempt.wait_until(lambda: len(ahead()) >= 2, timeout=120, poll=0.02)
+        attempt.wait_until(lambda: len(ahead()) >= 2, quiet=120, poll=0.02)
         attempt.signal(signal.SIGSTOP)
         if len(ahead()) >= 2:
             break

@@ -20,8 +20,6 @@ from tpujob_devcluster.fakegcs import FakeGcsServer
 
 from tests.trainer.procs import Attempt, Job
 
-pytestmark = pytest.mark.trainer
-
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "own-loop" / "train.py"
 COMMAND = (sys.executable, str(EXAMPLE))
 M = 30  # steps; global batch 16 of 64 bytes: 480 windows of the standard library's sources
@@ -40,7 +38,7 @@ def _interrupt(job: Job, rng: random.Random, sig: signal.Signals) -> tuple[Attem
     restorable = _latest(job)
     attempt = job.start(ARGS, processes=2, command=COMMAND)
     target = rng.randint(restorable + 3, restorable + 7)
-    attempt.wait_until(lambda: attempt.last_step() >= target and _latest(job) > restorable, timeout=STALL_S)
+    attempt.wait_until(lambda: attempt.last_step() >= target and _latest(job) > restorable, quiet=STALL_S)
     at = attempt.last_step()
     attempt.signal(sig)
     return attempt, restorable, at

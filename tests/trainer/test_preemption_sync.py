@@ -20,8 +20,6 @@ import pytest
 from tests.trainer.procs import Job
 from tests.trainer.test_local_tier import GCS_EVERY_10, _local_env
 
-pytestmark = pytest.mark.trainer
-
 OBSERVER = """
 import os, threading
 from jax.experimental import multihost_utils
@@ -61,7 +59,7 @@ def test_a_sigterm_to_one_process_stops_both_at_one_saved_step(job: Job, tmp_pat
         slices=2,
         process_env=process_env,
     )
-    attempt.wait_until(lambda: attempt.last_step() >= 40, timeout=240)
+    attempt.wait_until(lambda: attempt.last_step() >= 40, quiet=240)
     attempt.procs[1].send_signal(signal.SIGTERM)
     assert attempt.wait(120) == [143, 143], attempt.output(1)[-3000:]
 

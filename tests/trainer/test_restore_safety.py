@@ -9,7 +9,6 @@ import pytest
 from tests.trainer.faults import FaultProxy
 from tests.trainer.procs import BUCKET, Job
 
-pytestmark = pytest.mark.trainer
 SHAPE = ["--batch-size", "4", "--seq-len", "32"]
 EVERY_2 = {"TPUJOB_CHECKPOINT_POLICY": "interval", "TPUJOB_CHECKPOINT_INTERVAL_STEPS": "2"}
 
@@ -49,7 +48,7 @@ def test_a_5xx_while_restoring_is_retried_never_a_fallback(proxied_job: Job, pro
         503, lambda method, path: "checkpoints%2F6%2Fdefault%2F_METADATA" in path or "6/default/_METADATA" in path
     )
     resumed = job.start(["--steps", "7", *SHAPE])
-    resumed.wait_until(lambda: "not the data's fault; retry 1/5" in resumed.output(), timeout=120, poll=0.2)
+    resumed.wait_until(lambda: "not the data's fault; retry 1/5" in resumed.output(), quiet=120, poll=0.2)
     proxy.heal()
     assert resumed.wait(120) == [0], resumed.output()
     assert "resume: restoring step 6 failed (HttpError" in resumed.output() and proxy.answered[503] >= 6

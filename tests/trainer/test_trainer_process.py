@@ -3,15 +3,14 @@
 from __future__ import annotations
 
 import datetime
+import re
 import signal
-import time
 from pathlib import Path
 
 import pytest
 
 from tests.trainer.procs import BUCKET, Job
 
-pytestmark = pytest.mark.trainer
 TINY = ["--steps", "12", "--batch-size", "4", "--seq-len", "32"]
 
 
@@ -34,7 +33,7 @@ def test_run_to_completion_writes_checkpoints_and_progress(job: Job) -> None:
 @pytest.mark.timeout(180)
 def test_sigterm_saves_the_current_step_and_exits_143(job: Job) -> None:
     attempt = job.start(["--steps", "100000", "--batch-size", "4", "--seq-len", "32"])
-    attempt.wait_until(lambda: attempt.last_step() >= 3, timeout=120)
+    attempt.wait_until(lambda: attempt.last_step() >= 3, quiet=120)
     attempt.signal(signal.SIGTERM)
     assert attempt.wait(60) == [143], attempt.output()
     record = job.progress()
@@ -110,13 +109,12 @@ def test_unusable_storage_fails_fast_with_exit_3(job: Job, tmp_path: Path, case:
         blocker = tmp_path / "a-file"
         blocker.write_text("not a directory")
         env |= {"TPUJOB_RUN_DIR": str(blocker / "run")}
-    start = time.monotonic()
     attempt = job.start(TINY, env)
     codes = attempt.wait(90)
     out = attempt.output()
     assert codes == [3], out
-    assert "checkpoint storage unusable at start" in out and "gave up after" in out
-    assert time.monotonic() - start < 60
+    assert "checkpoint storage unusable at start" in out
+    assert re.search(r"gave up after \d+ probes in 3s", out), out  # the wait the env gives, not the default 120 s
     if case != "unreachable endpoint":  # refused connections may also surface as an error, not a timeout
         assert expected in out
 
