@@ -528,13 +528,19 @@ def test_kubectl_explain_shows_field_descriptions(control_plane):
     assert "start a new async save as soon as the previous one finished" in result.stdout
 
 
-EXAMPLES = sorted((Path(__file__).resolve().parents[2] / "examples").glob("*.yaml"))
+_EXAMPLES_DIR = Path(__file__).resolve().parents[2] / "examples"
+EXAMPLES = sorted([*_EXAMPLES_DIR.glob("*.yaml"), *_EXAMPLES_DIR.glob("own-loop/*.yaml")])
 
 
 def test_every_example_applies_as_shipped(control_plane, kube, namespace):
     """Issue 17 item 12: `kubectl apply -f examples/<file>.yaml` works as is, with the chart's default
     policy in force (as on the devcluster): server-side dry run, so admission runs but nothing is kept."""
-    assert {p.name for p in EXAMPLES} >= {"trainingjob.yaml", "demo.yaml", "maxtext.yaml"}
+    assert {p.relative_to(_EXAMPLES_DIR).as_posix() for p in EXAMPLES} >= {
+        "trainingjob.yaml",
+        "demo.yaml",
+        "maxtext.yaml",
+        "own-loop/trainingjob.yaml",
+    }
     helm = [str(tools_dir() / "helm"), "--kubeconfig", str(control_plane.kubeconfig), "--namespace", namespace]
     install = [*helm, "install", "tpujob", str(CHART), "--skip-crds", "--set", f"watchNamespaces={{{namespace}}}"]
     subprocess.run(install, check=True, capture_output=True, timeout=120)

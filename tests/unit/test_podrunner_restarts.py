@@ -22,7 +22,9 @@ from tpujob_devcluster.podrunner import (
     empty_dir_mounts,
     exit_action,
     image_path,
+    image_workdir,
     load_image_paths,
+    load_image_workdirs,
     matching_restart_rule,
     mount_commands,
     pod_status,
@@ -220,6 +222,32 @@ def test_each_image_finds_the_entrypoint_its_framework_declares(monkeypatch: pyt
     assert frameworks.adapter("maxtext").entrypoint[0] == "python3"  # what MaxText's venv has in bin/
     trainer = image_path("tpujob-trainer:dev", paths, sys.executable)
     assert (Path(trainer[0]) / frameworks.adapter("tpujob").entrypoint[0]).exists()  # the console script
+
+
+def test_the_own_loop_images_command_runs_the_example_from_its_workdir():
+    """`command: ["python", "train.py"]` (examples/own-loop/trainingjob.yaml) in the image's WORKDIR, as the
+    pod runner starts it: the example file, found by that shell on the image's PATH."""
+    table = REPO_ROOT / "devcluster" / "images.yaml"
+    workdir = image_workdir("tpujob-own-loop:dev", load_image_workdirs(table), sys.executable)
+    assert workdir == str(REPO_ROOT / "examples" / "own-loop")
+    entries = image_path("tpujob-own-loop:dev", load_image_paths(table), sys.executable)
+    found = subprocess.run(
+        [
+            "sh",
+            "-c",
+            f'cd {workdir} && exec "$@"',
+            "pod",
+            "python",
+            "-c",
+            "import os; print(os.path.abspath('train.py'))",
+        ],
+        env={"PATH": ":".join([*entries, "/usr/bin:/bin"])},
+        check=True,
+        capture_output=True,
+        text=True,
+    ).stdout.strip()
+    assert Path(found) == REPO_ROOT / "examples" / "own-loop" / "train.py" and Path(found).is_file()
+    assert image_workdir("tpujob-trainer:dev", load_image_workdirs(table), sys.executable) is None
 
 
 def test_a_volume_never_hides_the_hosts_files_the_container_runs_from(tmp_path: Path):

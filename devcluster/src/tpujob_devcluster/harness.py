@@ -137,15 +137,18 @@ def live_pod_uids(core: Any, namespace: str, jobset: str) -> dict[str, str]:
     return {str(p.metadata.name): str(p.metadata.uid) for p in pods if p.status.phase != "Failed"}
 
 
-def trainer_pid(state_dir: Path, namespace: str, pod_name: str) -> int:
+def trainer_pid(state_dir: Path, namespace: str, pod_name: str, program: str = "tpujob-train") -> int:
     """The trainer process of a pod (under JobSet's agent and its shell on the InPlace rung): killing it
-    alone is a crash of the training process, the container's restart rules then decide what follows."""
+    alone is a crash of the training process, the container's restart rules then decide what follows.
+    `program`: what the Python process runs (the built-in trainer's script, or a user's file)."""
     for pid in pod_pids(state_dir, namespace, pod_name):
         try:
             argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
         except FileNotFoundError:
             continue
-        if Path(argv[0].decode()).name.startswith("python") and b"tpujob-train" in b" ".join(argv):
+        if Path(argv[0].decode()).name.startswith("python") and any(
+            Path(arg.decode(errors="replace")).name == program for arg in argv[1:3]
+        ):
             return pid
     raise RuntimeError(f"no trainer process in pod {namespace}/{pod_name}")
 

@@ -92,6 +92,18 @@ def load_image_paths(path: Path) -> list[tuple[str, list[str]]]:
     return [(entry["pattern"], list(entry.get("path") or [])) for entry in table]
 
 
+def load_image_workdirs(path: Path) -> list[tuple[str, str | None]]:
+    """Each image's working directory (`workdir` in the table: the image's WORKDIR), where it names one."""
+    table = yaml.safe_load(path.read_text())["images"]
+    return [(entry["pattern"], entry.get("workdir")) for entry in table]
+
+
+def image_workdir(image: str, workdirs: list[tuple[str, str | None]], python: str) -> str | None:
+    """The first matching entry's working directory (None: the pod's own folder)."""
+    found = next((workdir for pattern, workdir in workdirs if fnmatch.fnmatch(image, pattern)), None)
+    return _expand(found, python) if found else None
+
+
 def image_path(image: str, paths: list[tuple[str, list[str]]], python: str) -> list[str]:
     """The first matching entry's PATH entries; `{python_dir}` is the directory of the project's
     interpreter (its venv's bin: `python` there is that interpreter)."""
@@ -539,6 +551,7 @@ class PodRunner:
         self.cpu_devices_per_pod = cpu_devices_per_pod
         self.images = load_image_table(images)
         self.image_paths = load_image_paths(images)
+        self.image_workdirs = load_image_workdirs(images)
         self.image_bin_dirs = image_bin_dirs or []
         self.extra_env = extra_env
         self.api_port = api_port
@@ -616,7 +629,9 @@ class PodRunner:
         if token_dir:
             mounts += f" && mkdir -p {SA_MOUNT} && mount --bind {shlex.quote(str(token_dir))} {SA_MOUNT}"
         mounts = " && ".join([mounts, *mount_commands(volumes)])
-        script = f'hostname {shlex.quote(hostname)} && {mounts} && exec "$@"'
+        workdir = image_workdir(container["image"], self.image_workdirs, sys.executable)
+        enter = f"cd {shlex.quote(workdir)} && " if workdir else ""
+        script = f'hostname {shlex.quote(hostname)} && {mounts} && {enter}exec "$@"'
         launch = ["unshare", "--mount", "--uts", "--propagation", "private", "--", "sh", "-c", script, "pod", *argv]
         process = self._spawn(directory, launch, env)
         running = RunningPod(uid, namespace, name, ip, directory, process, now(), hosts_file, fqdn)
