@@ -12,14 +12,16 @@ PYTEST_ARGS ?=
 # make test: two pytest-xdist workers (the e2e tier, one devcluster, goes to one of them whole).
 PYTEST_WORKERS ?= 2
 
-.PHONY: setup venv binaries tools prometheus maxtext-venv checkov-venv docs-venv crds lint test test-unit test-integration test-trainer test-e2e sim up down demo bench bench-recovery bench-scale bench-elastic clean
+.PHONY: setup venv binaries demo-binaries tools prometheus maxtext-venv checkov-venv docs-venv crds lint test test-unit test-integration test-trainer test-e2e sim up down demo bench bench-recovery bench-scale bench-elastic clean
 
 setup: venv binaries tools prometheus
 
 venv: $(DEPS_STAMP)
 $(DEPS_STAMP):
-	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q -r requirements-dev.txt -e contract -e 'library[flax]' -e operator -e trainer_image -e devcluster
+	@echo "[venv] installing the Python packages into $(VENV) (the first time: minutes, then cached)"
+	@start=$$SECONDS; test -x $(PY) || $(PYTHON) -m venv $(VENV); \
+	$(PY) -m pip install -q -r requirements-dev.txt -e contract -e 'library[flax]' -e operator -e trainer_image -e devcluster && \
+	echo "[venv] ready in $$((SECONDS - start)) s"
 	rm -f $(VENV)/.deps-* && touch $@
 
 binaries:
@@ -63,7 +65,7 @@ lint: venv tools prometheus checkov-venv docs-venv
 	$(VENV)/bin/mypy
 	$(PY) -m tpujob_operator.crd --check
 	$(PY) -m tpujob_operator.apidocs --check
-	$(VENV)/bin/hadolint Dockerfile trainer_image/Dockerfile
+	$(VENV)/bin/hadolint Dockerfile trainer_image/Dockerfile examples/own-loop/Dockerfile
 	unformatted="$$(gofmt -l trainer_image/init)" && test -z "$$unformatted" || { echo "gofmt: $$unformatted"; exit 1; }
 	cd trainer_image/init && go vet ./...
 	rendered="$$(mktemp -d)" && trap 'rm -rf "$$rendered"' EXIT && helm="$$(devcluster/tools.sh)/helm" && \
@@ -106,8 +108,13 @@ up: setup
 down: venv
 	$(PY) -m tpujob_devcluster down
 
-demo: setup
+# Only what the demo runs (no Kueue, no Prometheus), the venv's downloads beside Go's builds.
+demo:
+	@$(MAKE) --no-print-directory -j3 venv tools demo-binaries
 	$(PY) -m tpujob_devcluster demo
+
+demo-binaries:
+	COMPONENTS=devcluster devcluster/build.sh >/dev/null
 
 bench: venv
 	$(PY) bench/checkpoint_policies.py

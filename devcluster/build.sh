@@ -16,7 +16,10 @@ ETCD_VERSION="${ETCD_VERSION:-v3.6.5}"
 JOBSET_VERSION="${JOBSET_VERSION:-v0.11.0}"
 KWOK_VERSION="${KWOK_VERSION:-v0.7.0}"
 KUEUE_VERSION="${KUEUE_VERSION:-v0.17.0}"
-COMPONENTS="${COMPONENTS:-etcd kube-apiserver kube-controller-manager kube-scheduler jobset agent init kwok kueue}"
+# What a devcluster runs without Kueue (`COMPONENTS=devcluster`, as `make demo` asks); the default adds Kueue.
+DEVCLUSTER="etcd kube-apiserver kube-controller-manager kube-scheduler jobset agent init kwok"
+COMPONENTS="${COMPONENTS:-$DEVCLUSTER kueue}"
+COMPONENTS="${COMPONENTS/devcluster/$DEVCLUSTER}"
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 INIT_DIR="${INIT_DIR:-$REPO/build/image-bin}"
 
@@ -32,7 +35,32 @@ export GOCACHE="${GOCACHE:-$CACHE_ROOT/go/build}"
 export GOFLAGS="-mod=mod"
 export CGO_ENABLED=0
 
+BUILD_START=$SECONDS
+LOGS="$CACHE_ROOT/logs"
+mkdir -p "$LOGS"
 log() { echo "[build] $*" >&2; }
+elapsed() { printf '%dm%02ds' $(($1 / 60)) $(($1 % 60)); }
+
+# Run "$@" with its output (Go's download and compile chatter) in $LOGS/NAME.log; a line every 30 s
+# says it is still going, and a failure prints the log's tail.
+logged() {
+  local name="$1" started=$SECONDS
+  shift
+  "$@" >"$LOGS/$name.log" 2>&1 &
+  local pid=$! next=30
+  while kill -0 "$pid" 2>/dev/null; do
+    sleep 1
+    if ((SECONDS - started >= next)); then
+      log "$name: $(elapsed $((SECONDS - started))) so far ($(elapsed $((SECONDS - BUILD_START))) in all)"
+      next=$((next + 30))
+    fi
+  done
+  if ! wait "$pid"; then
+    log "$name failed; the end of $LOGS/$name.log:"
+    tail -n 30 "$LOGS/$name.log" >&2
+    return 1
+  fi
+}
 
 k8s_wrapper() {
   local dir="$SRC/k8s"
@@ -114,24 +142,33 @@ build_one() {
   log "building $name"
   case "$name" in
     kube-apiserver|kube-controller-manager|kube-scheduler)
-      k8s_wrapper
-      (cd "$SRC/k8s" && go build -trimpath -ldflags "$(ldflags_k8s)" -o "$BIN/$name.tmp" "k8s.io/kubernetes/cmd/$name") ;;
+      logged "$name" k8s_wrapper
+      logged "$name" go -C "$SRC/k8s" build -trimpath -ldflags "$(ldflags_k8s)" -o "$BIN/$name.tmp" "k8s.io/kubernetes/cmd/$name" ;;
     etcd)
-      etcd_wrapper
-      (cd "$SRC/etcd" && go build -trimpath -ldflags "-s -w" -o "$BIN/$name.tmp" .) ;;
+      logged "$name" etcd_wrapper
+      logged "$name" go -C "$SRC/etcd" build -trimpath -ldflags "-s -w" -o "$BIN/$name.tmp" . ;;
     jobset)
-      module_wrapper jobset sigs.k8s.io/jobset "$JOBSET_VERSION" sigs.k8s.io/jobset
-      (cd "$SRC/jobset" && go build -trimpath -ldflags "-s -w" -o "$BIN/$name.tmp" sigs.k8s.io/jobset) ;;
+      logged "$name" module_wrapper jobset sigs.k8s.io/jobset "$JOBSET_VERSION" sigs.k8s.io/jobset
+      logged "$name" go -C "$SRC/jobset" build -trimpath -ldflags "-s -w" -o "$BIN/$name.tmp" sigs.k8s.io/jobset ;;
     agent)
-      module_wrapper jobset sigs.k8s.io/jobset "$JOBSET_VERSION" sigs.k8s.io/jobset
-      (cd "$SRC/jobset" && go build -trimpath -ldflags "-s -w" -o "$out.tmp" sigs.k8s.io/jobset/cmd/in-place-restart-agent) ;;
+      logged "$name" module_wrapper jobset sigs.k8s.io/jobset "$JOBSET_VERSION" sigs.k8s.io/jobset
+      logged "$name" go -C "$SRC/jobset" build -trimpath -ldflags "-s -w" -o "$out.tmp" sigs.k8s.io/jobset/cmd/in-place-restart-agent ;;
     kwok)
-      module_wrapper kwok sigs.k8s.io/kwok "$KWOK_VERSION" sigs.k8s.io/kwok/cmd/kwok
-      (cd "$SRC/kwok" && go build -trimpath -ldflags "-s -w" -o "$BIN/$name.tmp" sigs.k8s.io/kwok/cmd/kwok) ;;
+      logged "$name" module_wrapper kwok sigs.k8s.io/kwok "$KWOK_VERSION" sigs.k8s.io/kwok/cmd/kwok
+      logged "$name" go -C "$SRC/kwok" build -trimpath -ldflags "-s -w" -o "$BIN/$name.tmp" sigs.k8s.io/kwok/cmd/kwok ;;
     *) log "unknown component $name"; return 1 ;;
   esac
   if [ "$name" = agent ]; then mv "$out.tmp" "$out"; else mv "$BIN/$name.tmp" "$BIN/$name"; fi
-  log "built $name in $((SECONDS - start))s"
+  log "built $name in $(elapsed $((SECONDS - start))) ($(elapsed $((SECONDS - BUILD_START))) in all)"
+}
+
+kueue_wrapper() {
+  local dir="$CACHE_ROOT/src/kueue-${KUEUE_VERSION}"
+  [ -f "$dir/go.sum" ] && return 0
+  mkdir -p "$dir"
+  printf 'module tpujob.dev/devcluster/kueue\ngo 1.25\nrequire sigs.k8s.io/kueue %s\n' "$KUEUE_VERSION" > "$dir/go.mod"
+  printf '//go:build tools\n\npackage tools\n\nimport _ "sigs.k8s.io/kueue/cmd/kueue"\n' > "$dir/tools.go"
+  (cd "$dir" && go mod tidy >/dev/null)
 }
 
 # Kueue's manager (a large build: every integration Kueue ships is linked in), then its CRDs (one
@@ -142,16 +179,12 @@ build_kueue() {
   if [ ! -x "$KUEUE_BIN/manager" ]; then
     local start=$SECONDS
     log "building kueue ${KUEUE_VERSION}"
-    if [ ! -f "$dir/go.sum" ]; then
-      printf 'module tpujob.dev/devcluster/kueue\ngo 1.25\nrequire sigs.k8s.io/kueue %s\n' "$KUEUE_VERSION" > "$dir/go.mod"
-      printf '//go:build tools\n\npackage tools\n\nimport _ "sigs.k8s.io/kueue/cmd/kueue"\n' > "$dir/tools.go"
-      (cd "$dir" && go mod tidy >/dev/null)
-    fi
-    (cd "$dir" && go build -trimpath \
+    logged kueue kueue_wrapper
+    logged kueue go -C "$dir" build -trimpath \
       -ldflags "-s -w -X sigs.k8s.io/kueue/pkg/version.GitVersion=${KUEUE_VERSION}" \
-      -o "$KUEUE_BIN/manager.tmp" sigs.k8s.io/kueue/cmd/kueue)
+      -o "$KUEUE_BIN/manager.tmp" sigs.k8s.io/kueue/cmd/kueue
     mv "$KUEUE_BIN/manager.tmp" "$KUEUE_BIN/manager"
-    log "built kueue in $((SECONDS - start))s"
+    log "built kueue in $(elapsed $((SECONDS - start))) ($(elapsed $((SECONDS - BUILD_START))) in all)"
   fi
   if [ ! -f "$KUEUE_BIN/crds.yaml" ] || [ ! -f "$KUEUE_BIN/webhooks.yaml" ]; then
     (cd "$dir" && go mod download -json "sigs.k8s.io/kueue@${KUEUE_VERSION}" >/dev/null)
@@ -169,6 +202,37 @@ build_init() {
   (cd "$REPO/trainer_image/init" && go build -trimpath -ldflags "-s -w" -o "$INIT_DIR/tpujob-init.tmp" .)
   mv "$INIT_DIR/tpujob-init.tmp" "$INIT_DIR/tpujob-init"
 }
+
+# The modules first, all at once (the network, not the cores, is their limit), while nothing compiles.
+wrapper() {
+  case "$1" in
+    k8s) k8s_wrapper ;;
+    etcd) etcd_wrapper ;;
+    jobset) module_wrapper jobset sigs.k8s.io/jobset "$JOBSET_VERSION" sigs.k8s.io/jobset ;;
+    kwok) module_wrapper kwok sigs.k8s.io/kwok "$KWOK_VERSION" sigs.k8s.io/kwok/cmd/kwok ;;
+    kueue) kueue_wrapper ;;
+  esac
+}
+missing=()
+for c in $COMPONENTS; do
+  case "$c" in
+    kube-apiserver|kube-controller-manager|kube-scheduler) [ -x "$BIN/$c" ] || missing+=(k8s) ;;
+    agent) [ -x "$BIN/agent/in-place-restart-agent" ] || missing+=(jobset) ;;
+    etcd|jobset|kwok) [ -x "$BIN/$c" ] || missing+=("$c") ;;
+    kueue) [ -x "$KUEUE_BIN/manager" ] || missing+=(kueue) ;;
+  esac
+done
+if ((${#missing[@]})); then
+  mapfile -t missing < <(printf '%s\n' "${missing[@]}" | sort -u)
+  log "downloading the Go modules of ${missing[*]} (once; then cached under $CACHE_ROOT/go)"
+  pids=()
+  for m in "${missing[@]}"; do
+    logged "modules-$m" wrapper "$m" &
+    pids+=($!)
+  done
+  for pid in "${pids[@]}"; do wait "$pid"; done
+  log "modules downloaded ($(elapsed $((SECONDS - BUILD_START))) in all)"
+fi
 
 for c in $COMPONENTS; do
   case "$c" in

@@ -97,7 +97,7 @@ class DevCluster:
         self.kueue_tpu_quota = kueue_tpu_quota
         self.kueue: Kueue | None = None
         self.pools, self.system_nodes = load_pools(pools_file)
-        self.bin_dir = build_binaries()
+        self.bin_dir = build_binaries("devcluster kueue" if kueue else "devcluster")
         self.plane = ControlPlane(
             workdir=state_dir, bin_dir=self.bin_dir, service_account_admission=True, audit_policy=audit_policy
         )

@@ -75,7 +75,7 @@ def _script_output_dir(script: Path, env: dict[str, str] | None = None) -> Path:
 
 def build_binaries(components: str | None = None) -> Path:
     """Control-plane binaries from devcluster/build.sh: etcd, kube-*, jobset, its agent, kwok, kueue; and
-    tpujob-init into IMAGE_BIN_DIR."""
+    tpujob-init into IMAGE_BIN_DIR. `components`: its names, or `devcluster` for all but Kueue."""
     env = {"INIT_DIR": str(IMAGE_BIN_DIR), **({"COMPONENTS": components} if components else {})}
     return _script_output_dir(BUILD_SCRIPT, env)
 
