@@ -39,6 +39,8 @@ BUILD_START=$SECONDS
 LOGS="$CACHE_ROOT/logs"
 mkdir -p "$LOGS"
 log() { echo "[build] $*" >&2; }
+# Temporary outputs carry this process's id: two builds at once (pytest-xdist's workers) each rename
+# their own whole file into place.
 elapsed() { printf '%dm%02ds' $(($1 / 60)) $(($1 % 60)); }
 
 # Run "$@" with its output (Go's download and compile chatter) in $LOGS/NAME.log; a line every 30 s
@@ -143,22 +145,22 @@ build_one() {
   case "$name" in
     kube-apiserver|kube-controller-manager|kube-scheduler)
       logged "$name" k8s_wrapper
-      logged "$name" go -C "$SRC/k8s" build -trimpath -ldflags "$(ldflags_k8s)" -o "$BIN/$name.tmp" "k8s.io/kubernetes/cmd/$name" ;;
+      logged "$name" go -C "$SRC/k8s" build -trimpath -ldflags "$(ldflags_k8s)" -o "$BIN/$name.tmp.$$" "k8s.io/kubernetes/cmd/$name" ;;
     etcd)
       logged "$name" etcd_wrapper
-      logged "$name" go -C "$SRC/etcd" build -trimpath -ldflags "-s -w" -o "$BIN/$name.tmp" . ;;
+      logged "$name" go -C "$SRC/etcd" build -trimpath -ldflags "-s -w" -o "$BIN/$name.tmp.$$" . ;;
     jobset)
       logged "$name" module_wrapper jobset sigs.k8s.io/jobset "$JOBSET_VERSION" sigs.k8s.io/jobset
-      logged "$name" go -C "$SRC/jobset" build -trimpath -ldflags "-s -w" -o "$BIN/$name.tmp" sigs.k8s.io/jobset ;;
+      logged "$name" go -C "$SRC/jobset" build -trimpath -ldflags "-s -w" -o "$BIN/$name.tmp.$$" sigs.k8s.io/jobset ;;
     agent)
       logged "$name" module_wrapper jobset sigs.k8s.io/jobset "$JOBSET_VERSION" sigs.k8s.io/jobset
-      logged "$name" go -C "$SRC/jobset" build -trimpath -ldflags "-s -w" -o "$out.tmp" sigs.k8s.io/jobset/cmd/in-place-restart-agent ;;
+      logged "$name" go -C "$SRC/jobset" build -trimpath -ldflags "-s -w" -o "$out.tmp.$$" sigs.k8s.io/jobset/cmd/in-place-restart-agent ;;
     kwok)
       logged "$name" module_wrapper kwok sigs.k8s.io/kwok "$KWOK_VERSION" sigs.k8s.io/kwok/cmd/kwok
-      logged "$name" go -C "$SRC/kwok" build -trimpath -ldflags "-s -w" -o "$BIN/$name.tmp" sigs.k8s.io/kwok/cmd/kwok ;;
+      logged "$name" go -C "$SRC/kwok" build -trimpath -ldflags "-s -w" -o "$BIN/$name.tmp.$$" sigs.k8s.io/kwok/cmd/kwok ;;
     *) log "unknown component $name"; return 1 ;;
   esac
-  if [ "$name" = agent ]; then mv "$out.tmp" "$out"; else mv "$BIN/$name.tmp" "$BIN/$name"; fi
+  if [ "$name" = agent ]; then mv "$out.tmp.$$" "$out"; else mv "$BIN/$name.tmp.$$" "$BIN/$name"; fi
   log "built $name in $(elapsed $((SECONDS - start))) ($(elapsed $((SECONDS - BUILD_START))) in all)"
 }
 
@@ -182,15 +184,15 @@ build_kueue() {
     logged kueue kueue_wrapper
     logged kueue go -C "$dir" build -trimpath \
       -ldflags "-s -w -X sigs.k8s.io/kueue/pkg/version.GitVersion=${KUEUE_VERSION}" \
-      -o "$KUEUE_BIN/manager.tmp" sigs.k8s.io/kueue/cmd/kueue
-    mv "$KUEUE_BIN/manager.tmp" "$KUEUE_BIN/manager"
+      -o "$KUEUE_BIN/manager.tmp.$$" sigs.k8s.io/kueue/cmd/kueue
+    mv "$KUEUE_BIN/manager.tmp.$$" "$KUEUE_BIN/manager"
     log "built kueue in $(elapsed $((SECONDS - start))) ($(elapsed $((SECONDS - BUILD_START))) in all)"
   fi
   if [ ! -f "$KUEUE_BIN/crds.yaml" ] || [ ! -f "$KUEUE_BIN/webhooks.yaml" ]; then
     (cd "$dir" && go mod download -json "sigs.k8s.io/kueue@${KUEUE_VERSION}" >/dev/null)
     local config="$GOMODCACHE/sigs.k8s.io/kueue@${KUEUE_VERSION}/config/components"
-    for crd in "$config"/crd/bases/*.yaml; do echo "---"; cat "$crd"; done > "$KUEUE_BIN/crds.yaml.tmp"
-    mv "$KUEUE_BIN/crds.yaml.tmp" "$KUEUE_BIN/crds.yaml"
+    for crd in "$config"/crd/bases/*.yaml; do echo "---"; cat "$crd"; done > "$KUEUE_BIN/crds.yaml.tmp.$$"
+    mv "$KUEUE_BIN/crds.yaml.tmp.$$" "$KUEUE_BIN/crds.yaml"
     install -m 0644 "$config/webhook/manifests.yaml" "$KUEUE_BIN/webhooks.yaml"
   fi
   ln -sfn "$KUEUE_BIN" "$BIN/kueue"
@@ -199,8 +201,8 @@ build_kueue() {
 # tpujob-init (trainer_image/init): Go's build cache makes an unchanged source a no-op.
 build_init() {
   mkdir -p "$INIT_DIR"
-  (cd "$REPO/trainer_image/init" && go build -trimpath -ldflags "-s -w" -o "$INIT_DIR/tpujob-init.tmp" .)
-  mv "$INIT_DIR/tpujob-init.tmp" "$INIT_DIR/tpujob-init"
+  (cd "$REPO/trainer_image/init" && go build -trimpath -ldflags "-s -w" -o "$INIT_DIR/tpujob-init.tmp.$$" .)
+  mv "$INIT_DIR/tpujob-init.tmp.$$" "$INIT_DIR/tpujob-init"
 }
 
 # The modules first, all at once (the network, not the cores, is their limit), while nothing compiles.

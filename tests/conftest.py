@@ -16,6 +16,10 @@ from tpujob_devcluster.fakegcs import FakeGcsServer, start_fake_gcs
 REPO = Path(__file__).resolve().parents[1]
 TEST_BUCKET = "tpujob-tests"
 TIERS = ("unit", "sim", "trainer", "integration", "e2e")
+# Every JAX process the tests start (trainer processes, the devcluster's pods) compiles without XLA's
+# expensive passes: their tiny models spend most of their time compiling, and a test compares runs made
+# under the same settings. Benchmarks and `make demo` keep XLA's defaults.
+TEST_JAX_ENV = {"JAX_DISABLE_MOST_OPTIMIZATIONS": "1"}
 
 
 @pytest.hookimpl(tryfirst=True)  # before -m selects by the markers

@@ -28,6 +28,8 @@ from tpujob_devcluster.harness import helm_install_operator, pod_pids, signal_po
 from tpujob_devcluster.kueue import HIGH_PRIORITY, LOW_PRIORITY
 from tpujob_operator import api, checkpoints
 
+from tests.conftest import TEST_JAX_ENV
+
 E2E_POOLS = {
     # 2 jobs x 2 slices at once, plus a spare for a restart; v5e pools for the 1-host failure tests.
     "pools": [{"name": f"v5p-{c}", "accelerator": "tpu-v5p-slice", "topology": "2x2x2"} for c in "abcde"]
@@ -44,7 +46,7 @@ def devcluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DevCluster]
     pools = state / "pools.yaml"
     pools.write_text(yaml.safe_dump(E2E_POOLS))
     # Kueue runs for every e2e test: jobs without its queue label must behave exactly as without it.
-    cluster = DevCluster(state, pools, kueue=True).start()
+    cluster = DevCluster(state, pools, kueue=True, pod_env=TEST_JAX_ENV).start()
     try:
         # Status follows the trainer within 5 s (the default, 60 s, would add up to a minute to every wait).
         # The devcluster's WorkloadPriorityClasses, which tests/e2e/test_kueue.py labels its jobs with.
@@ -157,11 +159,18 @@ class E2E:
     def signal_pod(self, pod_name: str, sig: signal.Signals) -> None:
         signal_pod(self.cluster.state_dir, self.namespace, pod_name, sig)
 
-    def running_pod(self, prefix: str) -> str:
-        for pod in self.pods():
-            if str(pod.metadata.name).startswith(prefix) and pod.status.phase == "Running":
-                return str(pod.metadata.name)
-        raise AssertionError(f"no running pod {prefix}*")
+    def running_pod(self, prefix: str, timeout: float = 60) -> str:
+        """A Running pod named `prefix`*: the pod runner reports a started pod Running a moment after the
+        trainer's first record may already show, on a busy machine."""
+        deadline = time.monotonic() + timeout
+        while True:
+            pods = [p for p in self.pods() if str(p.metadata.name).startswith(prefix)]
+            for pod in pods:
+                if pod.status.phase == "Running":
+                    return str(pod.metadata.name)
+            if time.monotonic() > deadline:
+                raise AssertionError(f"no running pod {prefix}*: {[(p.metadata.name, p.status.phase) for p in pods]}")
+            time.sleep(0.5)
 
     def logs_tail(self, name: str, lines: int = 15) -> str:
         out = []

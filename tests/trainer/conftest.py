@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 from tpujob_devcluster.fakegcs import FakeGcsServer, start_fake_gcs
 
+from tests.conftest import TEST_JAX_ENV
 from tests.trainer.faults import FaultProxy, RestartableGcs
 from tests.trainer.procs import BUCKET, Job
 
@@ -45,6 +46,7 @@ def trainer_env(gcs: FakeGcsServer, tmp_path_factory: pytest.TempPathFactory) ->
         "TPUJOB_STORAGE_TIMEOUT_SECONDS": "10",
         "TPUJOB_STORAGE_WAIT_SECONDS": "120",  # tests that need storage to fail set less
         "TPUJOB_LOG_EVERY": "1",
+        **TEST_JAX_ENV,
     }
 
 
