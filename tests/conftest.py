@@ -16,9 +16,10 @@ from tpujob_devcluster.fakegcs import FakeGcsServer, start_fake_gcs
 REPO = Path(__file__).resolve().parents[1]
 TEST_BUCKET = "tpujob-tests"
 TIERS = ("unit", "sim", "trainer", "integration", "e2e")
-# Every JAX process the tests start (trainer processes, the devcluster's pods) compiles without XLA's
-# expensive passes: their tiny models spend most of their time compiling, and a test compares runs made
-# under the same settings. Benchmarks and `make demo` keep XLA's defaults.
+# Every trainer process of the trainer tier compiles without XLA's expensive passes: those runs are short
+# and spend most of their time compiling, and a test compares runs made under the same settings. A run
+# long in steps sets "0" (its steps are about half as fast without them). The e2e tier's jobs are long in
+# steps and keep XLA's defaults, as do the benchmarks and `make demo`.
 TEST_JAX_ENV = {"JAX_DISABLE_MOST_OPTIMIZATIONS": "1"}
 
 

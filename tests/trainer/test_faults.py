@@ -50,7 +50,8 @@ def test_storage_faults_mid_run_cost_nothing(
     # One device per process: on 2 CPU devices, XLA's in-process all-gather of the fsdp step was
     # seen to abort ("Termination timeout for all gather", exit -6) in runs of thousands of steps
     # with continuous saves, with or without storage faults; that hazard is not this test's subject.
-    one_device = {"XLA_FLAGS": "--xla_force_host_platform_device_count=1"}
+    # XLA's optimised steps: this run is long in steps, not in compiles (tests/conftest.py TEST_JAX_ENV).
+    one_device = {"XLA_FLAGS": "--xla_force_host_platform_device_count=1", "JAX_DISABLE_MOST_OPTIMIZATIONS": "0"}
     faulty_job.base_env = {**faulty_job.base_env, **one_device}
     (tmp_path / "reference").mkdir()
     # The uninterrupted twin trains at the same time, on the session's healthy emulator.
