@@ -298,57 +298,62 @@ def test_helm_install_creates_accepted_objects(control_plane, kube, namespace):
         "--set",
         "watchNamespaces={" + namespace + "}",
     )
-    deployment = client.AppsV1Api(kube).read_namespaced_deployment("tpujob", namespace)
-    assert deployment.spec.template.spec.service_account_name == "tpujob"
-    client.CoreV1Api(kube).read_namespaced_service_account("tpujob", namespace)
-    rbac = client.RbacAuthorizationV1Api(kube)
-    # Watching one namespace: the JobSet rights are a Role there, not cluster-wide.
-    assert any("jobsets" in (rule.resources or []) for rule in rbac.read_namespaced_role("tpujob", namespace).rules)
-    assert not any("jobsets" in (rule.resources or []) for rule in rbac.read_cluster_role("tpujob").rules)
-    binding = rbac.read_cluster_role_binding("tpujob")
-    assert binding.subjects[0].namespace == namespace
-    # The apiserver's authorizer agrees: the operator may create JobSets where it watches, nowhere else.
-    operator = (
-        f"system:serviceaccount:{namespace}:tpujob",
-        ["system:serviceaccounts", f"system:serviceaccounts:{namespace}"],
-    )
-    assert _allowed(kube, operator, namespace, "create", "jobset.x-k8s.io", "jobsets")
-    assert not _allowed(kube, operator, "default", "create", "jobset.x-k8s.io", "jobsets")
-    assert not _allowed(kube, operator, "default", "list", "", "pods")
-    assert _allowed(kube, operator, None, "watch", "apiextensions.k8s.io", "customresourcedefinitions")
-    assert _allowed(kube, operator, None, "watch", "", "nodes")
-    assert not _allowed(kube, operator, None, "patch", "", "nodes")
-    assert _allowed(kube, operator, "kube-node-lease", "get", "coordination.k8s.io", "leases")
-    assert not _allowed(kube, operator, "kube-node-lease", "list", "coordination.k8s.io", "leases")
-    # tpujob-edit/-view reach the built-in edit/view (kube-controller-manager aggregates them): a person
-    # bound to `edit` in a namespace may run TrainingJobs there, one bound to `view` may only read them.
-    for built_in in ("edit", "view", "admin"):
-        eventually(
-            lambda role=built_in: any(
-                "trainingjobs" in (r.resources or []) for r in rbac.read_cluster_role(role).rules
-            ),
-            what=f"TrainingJobs aggregated into {built_in}",
+    try:
+        deployment = client.AppsV1Api(kube).read_namespaced_deployment("tpujob", namespace)
+        assert deployment.spec.template.spec.service_account_name == "tpujob"
+        client.CoreV1Api(kube).read_namespaced_service_account("tpujob", namespace)
+        rbac = client.RbacAuthorizationV1Api(kube)
+        # Watching one namespace: the JobSet rights are a Role there, not cluster-wide.
+        assert any("jobsets" in (rule.resources or []) for rule in rbac.read_namespaced_role("tpujob", namespace).rules)
+        assert not any("jobsets" in (rule.resources or []) for rule in rbac.read_cluster_role("tpujob").rules)
+        binding = rbac.read_cluster_role_binding("tpujob")
+        assert binding.subjects[0].namespace == namespace
+        # The apiserver's authorizer agrees: the operator may create JobSets where it watches, nowhere else.
+        operator = (
+            f"system:serviceaccount:{namespace}:tpujob",
+            ["system:serviceaccounts", f"system:serviceaccounts:{namespace}"],
         )
-    for person, role in (("alice", "edit"), ("bob", "view")):
-        rbac.create_namespaced_role_binding(
-            namespace,
-            client.V1RoleBinding(
-                metadata=client.V1ObjectMeta(name=person),
-                role_ref=client.V1RoleRef(api_group="rbac.authorization.k8s.io", kind="ClusterRole", name=role),
-                subjects=[client.RbacV1Subject(kind="User", name=person, api_group="rbac.authorization.k8s.io")],
-            ),
-        )
-    assert _allowed(kube, ("alice", []), namespace, "create", "tpujob.dev", "trainingjobs")
-    assert not _allowed(kube, ("alice", []), namespace, "update", "tpujob.dev", "trainingjobs", "status")
-    assert _allowed(kube, ("bob", []), namespace, "list", "tpujob.dev", "trainingjobs")
-    assert not _allowed(kube, ("bob", []), namespace, "create", "tpujob.dev", "trainingjobs")
-    lease_role = client.RbacAuthorizationV1Api(kube).read_namespaced_role("tpujob-leader-election", namespace)
-    assert lease_role.rules[0].api_groups == ["coordination.k8s.io"]
-    metrics_service = client.CoreV1Api(kube).read_namespaced_service("tpujob-metrics", namespace)
-    assert [(p.name, p.port, p.target_port) for p in metrics_service.spec.ports] == [("metrics", 8081, "metrics")]
-    # The Deployment controller (in kube-controller-manager) accepted it and made a ReplicaSet.
-    eventually(lambda: client.AppsV1Api(kube).list_namespaced_replica_set(namespace).items, what="ReplicaSet")
-    helm("uninstall", "tpujob", "--namespace", namespace, "--kubeconfig", str(control_plane.kubeconfig))
+        assert _allowed(kube, operator, namespace, "create", "jobset.x-k8s.io", "jobsets")
+        assert not _allowed(kube, operator, "default", "create", "jobset.x-k8s.io", "jobsets")
+        assert not _allowed(kube, operator, "default", "list", "", "pods")
+        assert _allowed(kube, operator, None, "watch", "apiextensions.k8s.io", "customresourcedefinitions")
+        assert _allowed(kube, operator, None, "watch", "", "nodes")
+        assert not _allowed(kube, operator, None, "patch", "", "nodes")
+        assert _allowed(kube, operator, "kube-node-lease", "get", "coordination.k8s.io", "leases")
+        assert not _allowed(kube, operator, "kube-node-lease", "list", "coordination.k8s.io", "leases")
+        # tpujob-edit/-view reach the built-in edit/view (kube-controller-manager aggregates them): a person
+        # bound to `edit` in a namespace may run TrainingJobs there, one bound to `view` may only read them.
+        for built_in in ("edit", "view", "admin"):
+            eventually(
+                lambda role=built_in: any(
+                    "trainingjobs" in (r.resources or []) for r in rbac.read_cluster_role(role).rules
+                ),
+                what=f"TrainingJobs aggregated into {built_in}",
+            )
+        for person, role in (("alice", "edit"), ("bob", "view")):
+            rbac.create_namespaced_role_binding(
+                namespace,
+                client.V1RoleBinding(
+                    metadata=client.V1ObjectMeta(name=person),
+                    role_ref=client.V1RoleRef(api_group="rbac.authorization.k8s.io", kind="ClusterRole", name=role),
+                    subjects=[client.RbacV1Subject(kind="User", name=person, api_group="rbac.authorization.k8s.io")],
+                ),
+            )
+        # The authorizer sees a new RoleBinding a moment after it is created.
+        eventually(lambda: _allowed(kube, ("alice", []), namespace, "create", "tpujob.dev", "trainingjobs"),
+                   what="RBAC to see alice's binding")  # fmt: skip
+        assert not _allowed(kube, ("alice", []), namespace, "update", "tpujob.dev", "trainingjobs", "status")
+        eventually(lambda: _allowed(kube, ("bob", []), namespace, "list", "tpujob.dev", "trainingjobs"),
+                   what="RBAC to see bob's binding")  # fmt: skip
+        assert not _allowed(kube, ("bob", []), namespace, "create", "tpujob.dev", "trainingjobs")
+        lease_role = client.RbacAuthorizationV1Api(kube).read_namespaced_role("tpujob-leader-election", namespace)
+        assert lease_role.rules[0].api_groups == ["coordination.k8s.io"]
+        metrics_service = client.CoreV1Api(kube).read_namespaced_service("tpujob-metrics", namespace)
+        assert [(p.name, p.port, p.target_port) for p in metrics_service.spec.ports] == [("metrics", 8081, "metrics")]
+        # The Deployment controller (in kube-controller-manager) accepted it and made a ReplicaSet.
+        eventually(lambda: client.AppsV1Api(kube).list_namespaced_replica_set(namespace).items, what="ReplicaSet")
+    finally:  # a failure here must not leave the release's cluster-wide objects to the next test
+        helm("uninstall", "tpujob", "--namespace", namespace, "--kubeconfig", str(control_plane.kubeconfig))
 
 
 def _allowed(
