@@ -419,3 +419,26 @@ def test_a_pod_on_a_gone_node_is_failed_while_storage_cannot_be_read_but_not_und
     suspended = _observed(T0, nodes=NODES[:3], pods=_on_a_gone_node(), state="Suspended")
     _, actions = reconcile(_running_job(), suspended)
     assert actions.fail_on_gone_nodes == [] and actions.remove_from_gone_nodes == []
+
+
+def test_a_silence_while_a_node_under_the_job_is_unreachable_is_the_infrastructures_not_a_counted_hang():
+    """A node cut off from the network cuts its trainer off from storage too: the record goes silent.
+    The hang clock's expiry is then the node's failure (not counted); with every node healthy it stays
+    the job's Hang (counted)."""
+    tj = training_job(
+        restart={"hangTimeoutSeconds": 60}, status={"phase": "Running", "attempt": 0, "lastProgressTime": rfc3339(T0)}
+    )
+    progress = progress_record(uid=tj.metadata["uid"], step=50, attempt=0, updated_at=T0)
+    pods = (_pod("llama-a0-slice-0-0", "a"), _pod("llama-a0-slice-1-0", "b", slice_=1))
+    jobset = JobSetFacts("llama-a0", 0, None, T0 - timedelta(hours=2), "Active", pods=pods, uid=tj.metadata["uid"])
+    now = T0 + 61 * SECOND
+
+    def decided(*nodes: dict[str, Any]):
+        observed = Observed(now=now, jobsets=(jobset,), progress=progress, nodes=_facts(*nodes))
+        return reconcile(tj, observed)[0]
+
+    cut_off = decided(_node("a"), _node("b", ready="Unknown", since=T0 + 20 * SECOND))
+    assert (cut_off.last_failure.kind, cut_off.last_failure.reason) == ("NodeLost", "NodeUnreachable")
+    assert not cut_off.last_failure.counted and cut_off.counted_restarts == 0
+    healthy = decided(_node("a"), _node("b"))
+    assert (healthy.last_failure.kind, healthy.last_failure.counted, healthy.counted_restarts) == ("Hang", True, 1)

@@ -50,6 +50,7 @@ from .restarts import (
     expired,
     node_verdict_wait,
     uncounted_streak,
+    with_node_evidence,
 )
 from .status import (
     moved_resume_point,
@@ -653,13 +654,10 @@ def _while_active(
     since = max(floor, last_progress)
     actions.requeue_after = _until(now, since, policy.hang_timeout_seconds, RECHECK_SECONDS)
     if expired(now, since, policy.hang_timeout_seconds):
-        hang = Failure(
-            "Hang",
-            "NoProgress",
-            f"no step progress for {policy.hang_timeout_seconds}s (last at {rfc3339(last_progress)})",
-            None,
-            now,
-        )
+        silence = f"no step progress for {policy.hang_timeout_seconds}s (last at {rfc3339(last_progress)})"
+        hang = Failure("Hang", "NoProgress", silence, None, now)
+        if observed.nodes is not None:  # a node that went unreachable in the silence: not the job's hang
+            hang = with_node_evidence(hang, current.pods, observed.nodes, since, now, policy.hang_timeout_seconds)
         return _after_failure(tj, status, observed, actions, current, hang)
     if (resized := _grown(tj, status, observed, actions, current)) is not None:
         return resized

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 
@@ -11,7 +11,7 @@ from tpujob_contract import ExitCode
 
 from .api import FailureKind, RestartSpec
 from .facts import JobSetFacts, NodeFacts, PodFacts
-from .nodes import NODE_GONE_DISRUPTION, Evidence, infrastructure_evidence, verdict_wait
+from .nodes import NODE_FAILURE_WINDOW_SECONDS, NODE_GONE_DISRUPTION, Evidence, infrastructure_evidence, verdict_wait
 
 # The trainer's exit codes that name a cause (the contract; trainer_image/README.md, "Exit codes"):
 # exit code -> (kind, reason, what the pod did).
@@ -59,8 +59,9 @@ NODE_PRESSURE_EVICTION = "Evicted"  # the pod's status.reason after the kubelet'
 ABORTED = 134  # 128 + SIGABRT
 # What JAX's coordination service (XLA's distributed runtime) says when it aborts a healthy process.
 _DISTRIBUTED_ABORT_MARKS = ("incarnation", "registertask", "coordination service")
-# Kinds that blame the job, which the nodes under its pods can show to be the infrastructure's (nodes.py).
-_NODE_ATTRIBUTABLE: frozenset[FailureKind] = frozenset({"ApplicationError", "Unknown"})
+# Kinds that blame the job, which the nodes under its pods can show to be the infrastructure's (nodes.py):
+# a hang too, as a node cut off from the network also cuts its trainer off from storage and its record.
+_NODE_ATTRIBUTABLE: frozenset[FailureKind] = frozenset({"ApplicationError", "Unknown", "Hang"})
 
 
 @dataclass(frozen=True)
@@ -131,9 +132,24 @@ def classify_jobset_failure(
     would blame the job is the infrastructure's when the nodes under the attempt's pods say so
     (`nodes`: by name, see nodes.infrastructure_evidence; None: nodes unknown)."""
     failure = _earliest_failure(jobset)
-    if nodes is None or now is None or failure.kind not in _NODE_ATTRIBUTABLE:
+    if nodes is None or now is None:
         return failure
-    evidence = infrastructure_evidence(jobset.pods, nodes, failure.time or now, now)
+    return with_node_evidence(failure, jobset.pods, nodes, failure.time or now, now)
+
+
+def with_node_evidence(
+    failure: Failure,
+    pods: Iterable[PodFacts],
+    nodes: Mapping[str, NodeFacts],
+    since: datetime,
+    now: datetime,
+    window_seconds: float = NODE_FAILURE_WINDOW_SECONDS,
+) -> Failure:
+    """`failure`, or the infrastructure's when it would blame the job and a node under `pods` shows a
+    signal that began no later than `window_seconds` after `since` (the job gets the benefit of the doubt)."""
+    if failure.kind not in _NODE_ATTRIBUTABLE:
+        return failure
+    evidence = infrastructure_evidence(pods, nodes, since, now, window_seconds)
     if evidence is None:
         return failure
     message = f"pod {evidence.pod} is on node {evidence.node}: {evidence.detail} (first failure: {failure.message})"
