@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from tpujob_operator.jobset import jobset_name
+from tpujob_operator.jobset import TERMINATION_GRACE_SECONDS, jobset_name
 from tpujob_operator.nodes import NODE_FAILURE_WINDOW_SECONDS
 
 from .control import Decision, Operator
@@ -22,6 +22,7 @@ class Watch:
 
     ever_committed: set[int] = field(default_factory=set)
     ended_at: int | None = None  # Failed, or deleted
+    saves_blocked_since_end: bool = False  # the workers' storage hung after the end
     checked_decisions: int = 0
 
 
@@ -113,7 +114,11 @@ def _released(world: World, watch: Watch) -> list[str]:
     on a node its kubelet cannot hear from is the node's to end)."""
     if watch.ended_at is None and (world.training_job is None or _phase(world) == "Failed"):
         watch.ended_at = world.now
-    if watch.ended_at is None or world.now - watch.ended_at < RELEASE_SECONDS:
+    if watch.ended_at is not None and world.storage.blind_for_workers(world.now):
+        watch.saves_blocked_since_end = True
+    # A SIGTERM save that storage cannot take holds its pod until the pod's grace ends.
+    bound = TERMINATION_GRACE_SECONDS if watch.saves_blocked_since_end else RELEASE_SECONDS
+    if watch.ended_at is None or world.now - watch.ended_at < bound:
         return []
     held = [js.name for js in world.live_jobsets()]
     held += [

@@ -24,6 +24,7 @@ Kind = Literal[
     "hang",
     "other_tenant",
     "storage_outage",
+    "workers_storage_outage",
     "suspend",
     "unsuspend",
     "suspend_briefly",
@@ -95,6 +96,8 @@ def apply(world: World, operator: Operator, event: Event) -> None:
         world.other_tenant(event.arg % (world.config.slices + world.config.spare_pools), 10 + 5 * event.arg)
     elif event.kind == "storage_outage":
         world.storage_outage(5 * event.arg)
+    elif event.kind == "workers_storage_outage":
+        world.workers_storage_outage(5 * event.arg)
     elif event.kind in ("suspend", "unsuspend"):
         world.set_job_suspend(event.kind == "suspend")
     elif event.kind == "suspend_briefly":  # a user's `suspend: true`, then `false` a few seconds later

@@ -19,7 +19,9 @@ What it models, and how coarsely:
   `save_every` steps (a save commits `save_seconds` later, unless its directory was removed under it:
   then the step is committed but damaged), keep the newest `keep` committed steps, write the progress
   record, save their step on SIGTERM when all of them are healthy, and exit 0 after the final step;
-- storage can be unreadable to the operator.
+- storage can be unreadable to the operator, or unreachable for the workers: then their saves and
+  records hang until it is back, a trainer waits for it at start, and a training one gives up with
+  exit 3 after `record_unwritable_limit_seconds` (the trainer library's rule, trainer_image/README.md).
 """
 
 from __future__ import annotations
@@ -223,6 +225,10 @@ class Storage:
     in_flight: dict[int, Save] = field(default_factory=dict)
     progress: contract.ProgressRecord | None = None
     operator_outage_until: int = -1
+    workers_outage: tuple[int, int] | None = None  # (from, until): the workers' writes hang
+
+    def blind_for_workers(self, now: int) -> bool:
+        return self.workers_outage is not None and self.workers_outage[0] <= now < self.workers_outage[1]
 
     def latest(self) -> int | None:
         return max(self.committed, default=None)
@@ -248,6 +254,13 @@ class Config:
     grow_after_seconds: int = 30  # the least spec.elastic.growAfterSeconds allows
     auto_repair_seconds: int = 600  # GKE deletes a node that stays NotReady this long
     pod_gc_seconds: int = 40  # the pod GC marks pods of a deleted node Failed after its quarantine
+    storage_wait_seconds: int = 600  # TPUJOB_STORAGE_WAIT_SECONDS' default
+    trainer_gives_up_on_storage: bool = True  # False: the trainer before issue 30's item 7 (python -m tests.sim.hunt)
+
+    @property
+    def record_unwritable_limit_seconds(self) -> int:
+        """The trainer library's RunConfig.record_unwritable_limit_seconds for this job."""
+        return min(self.storage_wait_seconds, self.hang_timeout_seconds // 2)
 
 
 @dataclass(frozen=True)
@@ -444,6 +457,8 @@ class World:
         self._write_progress(group, first=True)
 
     def _write_progress(self, group: Group, first: bool = False) -> None:
+        if self.storage.blind_for_workers(self.now):
+            return  # the write hangs; the next one after the outage carries the news
         previous = self.storage.progress
         started = stamp(group.started or self.now)
         self.storage.progress = contract.ProgressRecord(
@@ -467,6 +482,8 @@ class World:
 
     def _commit_saves(self) -> None:
         for step, save in sorted(self.storage.in_flight.items()):
+            if self.storage.blind_for_workers(self.now):
+                save.commits_at = max(save.commits_at, self.now + 1)  # its writes hang until storage is back
             if save.commits_at > self.now:
                 continue
             del self.storage.in_flight[step]
@@ -515,6 +532,7 @@ class World:
         self._scheduler()
         self._kubelets()
         self._commit_saves()
+        self._trainers_give_up_on_storage()
         for group in list(self.groups.values()):
             self._train(group)
 
@@ -588,6 +606,8 @@ class World:
 
     def _note_cut_save(self, pod: Pod) -> None:
         group = self._group_of(pod)
+        if self.storage.blind_for_workers(self.now):
+            return  # no grace could have let the save commit
         if group is not None and group.stopping_at is not None and group.stopping_at not in self.storage.committed:
             step = group.stopping_at
             self.truth.killed_saving.append(
@@ -616,8 +636,30 @@ class World:
                 or not all(p.process_alive and p.running_at is not None for p in pods)
             ):
                 continue
+            if self.storage.blind_for_workers(self.now):
+                continue  # its storage probe waits (the outages modelled end within the storage wait)
             if self.now - max(p.running_at or 0 for p in pods) >= self.config.startup_seconds:
                 self._start(group, js.pin)
+
+    def _trainers_give_up_on_storage(self) -> None:
+        """A training trainer whose record has been unwritable for the limit exits 3 (every process:
+        process 0 first, the others as its collateral)."""
+        outage = self.storage.workers_outage
+        if (
+            not self.config.trainer_gives_up_on_storage
+            or outage is None
+            or not self.storage.blind_for_workers(self.now)
+        ):
+            return
+        if self.now - outage[0] < self.config.record_unwritable_limit_seconds:
+            return
+        for group in self.groups.values():
+            if group.started is None:
+                continue  # its final save too: the watchdog watches until the record's last write
+            for pod in (self.pods[n] for n in group.pods):
+                if pod.process_alive:  # a stopping one too: its SIGTERM save cannot land either
+                    self._blame(pod, "infrastructure", "storage lost for the workers")
+                    self._process_exits(pod, 3)
 
     # -- faults ------------------------------------------------------------------------------------
 
@@ -717,6 +759,15 @@ class World:
     def storage_outage(self, seconds: int) -> None:
         """Checkpoint storage refuses the operator's reads (the workers still reach it)."""
         self.storage.operator_outage_until = self.now + seconds
+
+    def workers_storage_outage(self, seconds: int) -> None:
+        """Checkpoint storage hangs for the workers (the operator still reads it): a network path of
+        the node pools alone."""
+        self.storage.workers_outage = (self.now, self.now + seconds)
+        for group in self.groups.values():  # their records go silent: a hang as the operator sees it
+            if group.started is not None and not group.done and seconds > 0:
+                for pod in (self.pods[n] for n in group.pods if self.pods[n].process_alive):
+                    self._blame(pod, "infrastructure", "storage lost for the workers", "stalls")
 
     def set_job_suspend(self, suspend: bool) -> None:
         if self.training_job is not None and bool(self.training_job["spec"].get("suspend")) != suspend:

@@ -4,6 +4,7 @@ that the tests stop, restart (same port, same data) and hang (SIGSTOP)."""
 
 from __future__ import annotations
 
+import re
 import time
 from pathlib import Path
 
@@ -66,6 +67,31 @@ def test_storage_faults_mid_run_cost_nothing(
     assert (record["state"], record["step"], record["last_committed_step"]) == ("succeeded", steps, steps)
     assert record["save_failures"] >= 1
     assert faulty_job.digest(steps) == reference.digest(steps)
+
+
+@pytest.mark.timeout(300)
+def test_storage_lost_while_training_ends_the_attempt_with_exit_3_before_the_hang_clock(
+    faulty_job: Job, faulty_gcs: RestartableGcs
+) -> None:
+    """Storage hangs for the workers alone, mid-run (the operator may still read the bucket): the
+    progress record goes silent, which the operator's hang clock would charge to the job as a Hang.
+    The trainer gives up at half that clock (TPUJOB_HANG_TIMEOUT_SECONDS) with exit 3, which the
+    operator restarts without counting; every step committed before stays committed."""
+    attempt = faulty_job.start(
+        ["--steps", "1000000", *SHAPE, "--log-every", "20"],
+        {"TPUJOB_HANG_TIMEOUT_SECONDS": "16", "TPUJOB_STORAGE_TIMEOUT_SECONDS": "3"},
+    )
+    attempt.wait_until(lambda: len(faulty_job.committed_steps()) >= 2, quiet=120)
+    committed = faulty_job.committed_steps()
+    faulty_gcs.hang()
+    try:
+        codes = attempt.wait(quiet=120)
+    finally:
+        faulty_gcs.unhang()
+    assert codes == [3], attempt.output()[-4000:]
+    said = re.search(r"progress record could not be written for (\d+) s", attempt.output())
+    assert said and int(said.group(1)) >= 8, attempt.output()[-4000:]  # it waited out half the hang clock
+    assert set(committed) <= set(faulty_job.committed_steps())
 
 
 def _run_with_faults(faulty_job: Job, faulty_gcs: RestartableGcs, reference: Attempt, args: list[str]) -> None:

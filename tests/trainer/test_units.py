@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 
 import jax
@@ -14,7 +15,7 @@ from gcsfs.retry import HttpError
 from jax.sharding import PartitionSpec
 from tpujob import checkpointing, failures, progress
 from tpujob.checkpointing import CheckpointIncompatible, StorageError
-from tpujob.config import ConfigError, topology_from_env
+from tpujob.config import ConfigError, run_config, topology_from_env
 from tpujob_contract import LATEST, QuarantinedStep, Resume
 from tpujob_trainer.config import MODELS, parse_config
 from tpujob_trainer.data import batch_for_step
@@ -245,6 +246,37 @@ def test_progress_writer_overwrites_atomically_and_checks_commit(tmp_path: Path)
     assert [p.name for p in tmp_path.iterdir()] == ["progress.json"]  # no temp file left behind
     progress.write_atomically(epath.Path(tmp_path) / "progress.json", "{}")
     assert (tmp_path / "progress.json").read_text() == "{}"
+
+
+def test_the_storage_watchdog_gives_up_only_when_storage_fails_its_tries(tmp_path: Path) -> None:
+    """A silent record (no write for many ticks) is a hang of the training itself while storage passes
+    the watchdog's probes: nothing happens, and the operator's hang clock counts it. When the probes
+    fail too, the action runs, with the seconds storage has been failing."""
+    fired: list[float] = []
+    answers = [True]
+
+    def probe() -> None:
+        if not answers[0]:
+            raise OSError("storage unreachable (test probe)")
+
+    give_up = progress.GiveUp(0.4, probe, fired.append)
+    writer = progress.ProgressWriter(str(tmp_path), committed=lambda step: False, give_up=give_up)
+    for _ in range(30):  # 30 ticks of silence with storage answering
+        time.sleep(0.1)
+    assert fired == [] and writer.failing_seconds() == 0.0
+    answers[0] = False
+    deadline = time.monotonic() + 60  # a wait for the event, not a speed limit
+    while not fired and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert len(fired) == 1 and fired[0] > 0.4, fired
+
+
+def test_the_record_may_stay_unwritten_for_the_storage_wait_and_at_most_half_the_hang_timeout() -> None:
+    base = {"TPUJOB_RUN_DIR": "gs://b/ns/j", "TPUJOB_STORAGE_WAIT_SECONDS": "600"}
+    assert run_config(base).record_unwritable_limit_seconds == 600
+    assert run_config({**base, contract.Env.HANG_TIMEOUT_SECONDS: "1800"}).record_unwritable_limit_seconds == 600
+    assert run_config({**base, contract.Env.HANG_TIMEOUT_SECONDS: "300"}).record_unwritable_limit_seconds == 150
+    assert run_config({**base, contract.Env.HANG_TIMEOUT_SECONDS: "0"}).record_unwritable_limit_seconds == 600
 
 
 def test_identity_and_storage_wait_from_env() -> None:

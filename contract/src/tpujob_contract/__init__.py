@@ -57,6 +57,10 @@ class Env:
     # How long a process waits in JAX's distributed start-up for all its peers: as long as the
     # operator's scheduling and start-up clocks allow (0: for ever), so that those clocks decide
     DISTRIBUTED_INIT_TIMEOUT_SECONDS: Final = "TPUJOB_DISTRIBUTED_INIT_TIMEOUT_SECONDS"
+    # spec.restart.hangTimeoutSeconds (0: none): a trainer that cannot write its progress record (storage
+    # lost on the workers' side) gives up with exit 3 in half that time, before the operator's clock
+    # would take the silence for a hang and charge it to the job
+    HANG_TIMEOUT_SECONDS: Final = "TPUJOB_HANG_TIMEOUT_SECONDS"
     # spec.checkpoint.local: the local tier's directory (an emptyDir's mountPath; absent: GCS alone),
     # the steps between its saves, and the step time its saves may block (0: no budget)
     LOCAL_CHECKPOINT_DIR: Final = "TPUJOB_LOCAL_CHECKPOINT_DIR"
@@ -218,7 +222,7 @@ class ExitCode(enum.IntEnum):
     OK = 0
     FAILED = 1
     BAD_CONFIG = 2
-    STORAGE = 3  # checkpoint storage unreachable for TPUJOB_STORAGE_WAIT_SECONDS at start
+    STORAGE = 3  # checkpoint storage unreachable: at start, or for the progress record while training
     CHECKPOINT_INCOMPATIBLE = 4  # no committed checkpoint could be restored (e.g. a changed model)
     STORAGE_PERMISSION_DENIED = 5  # checkpoint storage answered 401/403: the workers' identity may not use it
     # JAX's distributed runtime could not start: the coordinator address is another process's (a

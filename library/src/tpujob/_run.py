@@ -105,8 +105,7 @@ class Run:
         if self._cache:
             self._cache.prefetch()
         if self._mngr and cfg.run_dir and jax.process_index() == 0:
-            where = str(self._mngr.directory)
-            self._writer = progress.ProgressWriter(cfg.run_dir, lambda s: checkpointing.is_committed(where, s))
+            self._writer = attempt.progress_writer(cfg, self._mngr)
         self._hook = attempt.StepHook(cfg, self._notice, self._status, self._mngr, self._local, self._writer)
 
     @property

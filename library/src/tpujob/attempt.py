@@ -25,7 +25,7 @@ import tpujob_contract as contract
 from jax.experimental import multihost_utils
 from tpujob_contract import ExitCode
 
-from tpujob import checkpointing, failures, local_tier
+from tpujob import checkpointing, failures, local_tier, progress
 from tpujob.checkpointing import (
     CheckpointIncompatible,
     CheckpointManager,
@@ -402,13 +402,44 @@ def denied(cfg: RunConfig, err: StoragePermissionDenied, status: AttemptProgress
     denied = f"{checkpointing.bucket_of(cfg.run_dir or '')} as {checkpointing.identity()}: {err}"
     status.update(state="failed", storage_denied=denied)
     log.error("checkpoint storage refused this job's identity (exit 5): %s", denied)
+    _termination_message(f"{contract.STORAGE_DENIED_PREFIX}{denied}")
+
+
+def _termination_message(text: str) -> None:
+    """The container's termination message (`kubectl describe pod`; Kubernetes reads /dev/termination-log)."""
     path = os.environ.get("TPUJOB_TERMINATION_MESSAGE_PATH", "/dev/termination-log")
     if os.path.exists(path):
         try:
             with open(path, "w") as out:
-                out.write(f"{contract.STORAGE_DENIED_PREFIX}{denied}"[:4096])
+                out.write(text[:4096])
         except OSError:
             pass
+
+
+def progress_writer(cfg: RunConfig, mngr: CheckpointManager) -> ProgressWriter:
+    """Process 0's progress record writer. Storage lost on the workers' side while training (the
+    operator may still read the bucket) leaves the record silent, which the operator's hang clock
+    would charge to the job: after `record_unwritable_limit_seconds` the process ends with exit 3
+    instead (StorageUnavailable: restarted, not counted; the operator bounds its streak)."""
+    run_dir, where = cfg.run_dir, str(mngr.directory)
+    assert run_dir is not None
+
+    def probe() -> None:
+        checkpointing.probe_storage(run_dir, "watchdog", cfg.storage_timeout_seconds)
+
+    give_up = progress.GiveUp(cfg.record_unwritable_limit_seconds, probe, _storage_lost)
+    return ProgressWriter(run_dir, lambda s: checkpointing.is_committed(where, s), give_up)
+
+
+def _storage_lost(seconds: float) -> None:
+    what = f"checkpoint storage lost while training: the progress record could not be written for {seconds:.0f} s"
+    log.error("%s (exit 3: the attempt is restarted, not counted)", what)
+    _termination_message(what)
+    for stream in (sys.stdout, sys.stderr):
+        stream.flush()
+    # From the watchdog thread, past whatever holds the training thread (a save hung on storage):
+    # nothing this process still holds can be committed without storage.
+    os._exit(ExitCode.STORAGE)
 
 
 def close_local(local: LocalTier) -> None:

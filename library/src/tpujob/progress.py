@@ -14,6 +14,7 @@ import dataclasses
 import logging
 import os
 import threading
+import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -91,14 +92,28 @@ def write_atomically(path: epath.Path, text: str) -> None:
     os.replace(tmp, path)
 
 
+@dataclasses.dataclass(frozen=True)
+class GiveUp:
+    """When storage has failed every try for `after_seconds` (record writes that fail or hang, and
+    `probe`s made when no write has landed lately), `action(seconds)` runs."""
+
+    after_seconds: float
+    probe: Callable[[], None]  # a small write to the run directory; raises when storage fails it
+    action: Callable[[float], None]
+
+
 class ProgressWriter:
     """Writes the newest published contract.ProgressRecord from a background thread, and a final one on close().
 
     `committed` resolves the step of the last finished save to the step whose commit marker is
     actually in storage (a failed async save leaves none), off the training thread.
+
+    With `give_up`, a watchdog thread of its own, which nothing in training can block, tells storage
+    lost on the workers' side from a hang of the training itself: both leave the record silent, which
+    the operator reads as a hang, but only the first fails the watchdog's probes too.
     """
 
-    def __init__(self, run_dir: str, committed: Callable[[int], bool]):
+    def __init__(self, run_dir: str, committed: Callable[[int], bool], give_up: GiveUp | None = None):
         self._path = epath.Path(contract.progress_path(run_dir))
         self._committed = committed
         self._cond = threading.Condition()
@@ -106,8 +121,40 @@ class ProgressWriter:
         self._closed = False
         self._candidates: list[int] = []
         self.last_committed_step: int | None = None
+        self._failing_since: float | None = None  # monotonic: storage's first failed try since one worked
+        self._worked_at = time.monotonic()  # storage's last answer (a write landed, a probe passed)
         self._thread = threading.Thread(target=self._run, name="tpujob-progress", daemon=True)
         self._thread.start()
+        self._training_over = threading.Event()
+        if give_up is not None:
+            threading.Thread(target=self._watch, args=(give_up,), name="tpujob-storage-watchdog", daemon=True).start()
+
+    def failing_seconds(self) -> float:
+        """Seconds since storage's first failed try after its last answer (0: not failing)."""
+        since = self._failing_since
+        return 0.0 if since is None else time.monotonic() - since
+
+    def _tried(self) -> None:
+        if self._failing_since is None:
+            self._failing_since = time.monotonic()
+
+    def _worked(self) -> None:
+        self._failing_since, self._worked_at = None, time.monotonic()
+
+    def _watch(self, give_up: GiveUp) -> None:
+        tick = min(5.0, max(give_up.after_seconds / 4, 0.05))
+        while not self._training_over.wait(tick):
+            if time.monotonic() - self._worked_at > 2 * tick:  # no write landed lately: ask storage itself
+                self._tried()
+                try:
+                    give_up.probe()
+                except Exception as err:
+                    log.warning("storage watchdog: probe failed: %s", err)
+                else:
+                    self._worked()
+            if (failing := self.failing_seconds()) > give_up.after_seconds and not self._training_over.is_set():
+                give_up.action(failing)
+                return
 
     def saved(self, step: int) -> None:
         """A save of `step` has finished (successfully or not): check its commit marker."""
@@ -135,10 +182,13 @@ class ProgressWriter:
 
     def _write(self, progress: contract.ProgressRecord) -> None:
         progress = dataclasses.replace(progress, last_committed_step=self.last_committed_step)
+        self._tried()
         try:
             write_atomically(self._path, contract.to_json(progress))
         except Exception:
             log.warning("could not write %s", self._path, exc_info=True)
+        else:
+            self._worked()
 
     def _take(self) -> tuple[list[int], contract.ProgressRecord | None]:
         candidates, self._candidates = self._candidates, []
@@ -158,6 +208,7 @@ class ProgressWriter:
 
     def close(self, final: contract.ProgressRecord, timeout_s: float = 30.0) -> None:
         """Stop the thread and write `final` (with the committed step re-checked) synchronously."""
+        self._training_over.set()  # the record's silence can no longer be taken for a hang
         with self._cond:
             self._closed = True
             self._cond.notify_all()

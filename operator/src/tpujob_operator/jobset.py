@@ -133,6 +133,7 @@ def trainer_env(
         _env(env.CHECKPOINT_KEEP_EVERY_STEPS, ckpt.keep.every_steps or 0),
         _env(env.CHECKPOINT_SAVE_ON_PREEMPTION, ckpt.save_on_preemption),
         _env(env.DISTRIBUTED_INIT_TIMEOUT_SECONDS, distributed_init_timeout(tj.spec.restart)),
+        _env(env.HANG_TIMEOUT_SECONDS, tj.spec.restart.hang_timeout_seconds),
         *_adaptive_env(tj),
     ]
 

@@ -21,7 +21,7 @@ from collections.abc import Sequence
 
 import jax
 import tpujob_contract as contract
-from tpujob import attempt, checkpointing, compile_cache, progress
+from tpujob import attempt, compile_cache, progress
 from tpujob.checkpointing import CheckpointIncompatible, CheckpointManager, PreemptionNotice, StoragePermissionDenied
 from tpujob.local_tier import LocalTier
 from tpujob.progress import AttemptProgress
@@ -103,8 +103,7 @@ def run(cfg: Config, process_started_at: str | None = None) -> ExitCode:
         cache.prefetch()  # list the cache while the restore runs; storage has answered its probe by now
     writer = None
     if mngr and cfg.run_dir and jax.process_index() == 0:
-        checkpoint_dir = str(mngr.directory)
-        writer = progress.ProgressWriter(cfg.run_dir, lambda s: checkpointing.is_committed(checkpoint_dir, s))
+        writer = attempt.progress_writer(cfg, mngr)
     try:
         topo = cfg.topology
         if topo.microbatches > 1:
