@@ -2,9 +2,11 @@
 
 The corpus is the Python standard library's own sources (the top-level `*.py` files of
 `sysconfig.get_paths()["stdlib"]`, about 4.7 MB with CPython 3.11): real text that every Python
-install carries, so nothing is downloaded at run time. Grain reads it: each process takes its own
-shard of a shuffled sequence of windows, and its iterator's position is saved in every checkpoint,
-so a restarted run sees exactly the examples an uninterrupted run would.
+install carries, so nothing is downloaded at run time. Grain shuffles its windows; global batch s is
+windows [s*B, (s+1)*B) of that order, each process reading its own rows (`tpujob.StepBatches`), and
+the position is saved in every checkpoint: a restarted run sees exactly the examples an
+uninterrupted run would, on any number of processes, after an elastic resize too (then every step
+accumulates the same global batch over `run.microbatches` microbatches).
 
 The lines marked `# tpujob` are all the loop needs to be protected (docs/guides/own-loop.md):
 restore from the newest committed checkpoint, continuous saves, the SIGTERM stop step, the
@@ -33,7 +35,8 @@ from jax.sharding import NamedSharding, PartitionSpec
 class Block(nnx.Module):
     def __init__(self, dim: int, heads: int, rngs: nnx.Rngs):
         self.norm1 = nnx.LayerNorm(dim, rngs=rngs)
-        self.attn = nnx.MultiHeadAttention(heads, dim, decode=False, rngs=rngs)
+        # No biases: softmax ignores a key bias, whose gradient is then rounding noise that Adam scales up.
+        self.attn = nnx.MultiHeadAttention(heads, dim, use_bias=False, decode=False, rngs=rngs)
         self.norm2 = nnx.LayerNorm(dim, rngs=rngs)
         self.up = nnx.Linear(dim, 4 * dim, rngs=rngs)
         self.down = nnx.Linear(4 * dim, dim, rngs=rngs)
@@ -77,12 +80,10 @@ class StdlibWindows:
         return self.tokens[index * self.window : (index + 1) * self.window].astype(np.int32)
 
 
-def data_iterator(seq_len: int, global_batch: int, seed: int) -> grain.DatasetIterator:
-    """This process's shard of the shuffled windows, in local batches; checkpointable (get_state)."""
-    per_process = global_batch // jax.process_count()
-    windows = grain.MapDataset.source(StdlibWindows(seq_len)).shuffle(seed=seed).repeat()  # epochs: same order
-    mine = windows[jax.process_index() :: jax.process_count()]
-    return iter(mine.batch(per_process, drop_remainder=True).to_iter_dataset())
+def data_iterator(seq_len: int, global_batch: int, seed: int) -> tpujob.StepBatches:
+    """This process's rows of each global batch of the shuffled windows; checkpointable (get_state)."""
+    windows = grain.MapDataset.source(StdlibWindows(seq_len)).shuffle(seed=seed).repeat()
+    return tpujob.StepBatches(windows, global_batch)  # tpujob: its position holds on any process count
 
 
 def main() -> None:
@@ -112,17 +113,26 @@ def main() -> None:
     # The state is a pytree: the model's parameters and the optimizer's moments and step count.
     state = jax.jit(lambda: nnx.state(create()), out_shardings=replicated)()
 
+    microbatches = run.microbatches  # tpujob: 1 at full size, more on an elastic attempt with fewer slices
+
     @functools.partial(jax.jit, out_shardings=(replicated, replicated), donate_argnums=0)
     def train_step(state: nnx.State, batch: jax.Array) -> tuple[nnx.State, jax.Array]:
         model, optimizer = nnx.merge(graphdef, state)
 
-        def loss_fn(model: ByteLM) -> jax.Array:
-            logits = model(batch[:, :-1])
-            return optax.softmax_cross_entropy_with_integer_labels(logits, batch[:, 1:]).mean()
+        def loss_fn(model: ByteLM, rows: jax.Array) -> jax.Array:
+            logits = model(rows[:, :-1])
+            return optax.softmax_cross_entropy_with_integer_labels(logits, rows[:, 1:]).mean()
 
-        loss, grads = nnx.value_and_grad(loss_fn)(model)
-        optimizer.update(model, grads)
-        return nnx.state((model, optimizer)), loss
+        # The global batch's rows in order, microbatch a = rows [a*B/A, (a+1)*B/A): the mean of the
+        # microbatches' gradients is the full batch's gradient, so every step is the full-size one.
+        losses, grads = [], []
+        for rows in batch.reshape(microbatches, -1, batch.shape[-1]):
+            loss, grad = nnx.value_and_grad(loss_fn)(model, rows)
+            losses.append(loss)
+            grads.append(grad)
+        mean_grad = grads[0] if microbatches == 1 else jax.tree.map(lambda *g: sum(g) / microbatches, *grads)
+        optimizer.update(model, mean_grad)
+        return nnx.state((model, optimizer)), sum(losses) / microbatches
 
     data = data_iterator(args.seq_len, args.batch_size, args.seed)
     state = run.restore(state, data)  # tpujob: the newest committed step and its data position

@@ -15,7 +15,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from tpujob import data
+from tpujob import StepBatches, data
+from tpujob_contract import Env
 from tpujob_devcluster.fakegcs import FakeGcsServer
 
 from tests.trainer.procs import Attempt, Job
@@ -79,9 +80,8 @@ def test_example_killed_three_times_and_stopped_once_ends_bitwise_equal_to_an_un
         expected, got = reference.digest(M, tmp / "ref.npz"), job.digest(M, tmp / "int.npz")
         assert any("opt_state" in leaf for leaf in got) and "['data']" in got and "['step']" in got
         assert got == expected, f"not bitwise equal after {history}"
-        rows = np.load(tmp / "int.npz")["['data']"]
-        # Each process's Grain iterator, positioned after its M local batches.
-        assert [data.decode(row) for row in rows] == [{"next_index": M}] * 2
+        # The data position: M global batches read, one state for every process.
+        assert data.decode(np.load(tmp / "int.npz")["['data']"]) == {"step": M}
     finally:
         reference.kill_all()
         job.kill_all()
@@ -138,6 +138,77 @@ def test_data_iterator_states_round_trip_as_json_or_bytes_and_too_large_is_refus
         assert data.decode(row) == state
     with pytest.raises(ValueError, match="more than"):
         data.encode("x" * data.CAPACITY)
+
+
+# The elastic run's final state against the uninterrupted one's, leaf by leaf: |diff| at most SCALE_TOL x
+# the leaf's largest |value|. Not bitwise: a shrunk step sums two microbatch gradients where the full-size
+# step takes one mean over the global batch, so float32 rounding differs (tests/trainer/test_elastic.py
+# measures the built-in trainer; this example's figure is printed). A wrong batch, data order, or a lost
+# or repeated step moves weights by about the learning rate, 1e-3 of their scale and more.
+SCALE_TOL = 1e-5
+EVERY_5 = {Env.CHECKPOINT_POLICY: "interval", Env.CHECKPOINT_INTERVAL_STEPS: "5"}
+
+
+def _stop(job: Job, attempt: Attempt, after: int) -> int:
+    """SIGTERM once the attempt is past `after`; it saves the step it stops at: returns that step."""
+    attempt.wait_until(lambda: attempt.last_step() > after, quiet=STALL_S)
+    attempt.signal(signal.SIGTERM)
+    assert set(attempt.wait(STALL_S)) == {143}, attempt.output(0)[-3000:]
+    record = job.progress()
+    assert record["state"] == "preempted" and record["step"] in job.committed_steps(), record
+    return int(record["step"])
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_example_shrunk_to_one_slice_and_grown_back_ends_where_the_uninterrupted_run_does(
+    gcs: FakeGcsServer, trainer_env: dict[str, str], tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    """2 slices -> 1 (one process, TPUJOB_NUM_SLICES=1 of TPUJOB_FULL_SLICES=2: two microbatches per
+    step) -> 2, stopped by SIGTERM at each resize as the operator does: the data position carries
+    across process counts, and the state ends within the elastic tolerance of an uninterrupted run's."""
+    reference = Job(gcs, trainer_env, tmp_path_factory.mktemp("ref"), "own-elastic-ref")
+    job = Job(gcs, trainer_env, tmp_path_factory.mktemp("ela"), "own-elastic")
+    try:
+        uninterrupted = reference.start(ARGS, env=EVERY_5, processes=2, slices=2, command=COMMAND)
+        assert uninterrupted.wait(STALL_S) == [0, 0], uninterrupted.output(0)[-3000:]
+        n = _stop(job, job.start(ARGS, env=EVERY_5, processes=2, slices=2, command=COMMAND), after=6)
+        shrunk = job.start(ARGS, env={**EVERY_5, Env.NUM_SLICES: "1", Env.FULL_SLICES: "2"}, command=COMMAND)
+        m = _stop(job, shrunk, after=n + 6)
+        assert job.progress()["restored_step"] == n
+        grown = job.start(ARGS, env=EVERY_5, processes=2, slices=2, command=COMMAND)
+        assert grown.wait(STALL_S) == [0, 0], grown.output(0)[-3000:]
+        assert job.progress()["restored_step"] == m and 0 < n < m < M
+
+        tmp = tmp_path_factory.mktemp("digest")
+        reference.digest(M, tmp / "ref.npz")
+        job.digest(M, tmp / "ela.npz")
+        ref, ela = np.load(tmp / "ref.npz"), np.load(tmp / "ela.npz")
+        assert sorted(ref.files) == sorted(ela.files)
+        assert data.decode(ela["['data']"]) == data.decode(ref["['data']"]) == {"step": M}
+        worst = {
+            k: float(np.max(np.abs(ref[k] - ela[k])) / max(float(np.max(np.abs(ref[k]))), 1e-30))
+            for k in ref.files
+            if k != "['data']"
+        }
+        print(f"own-loop elastic N={n} M={m}: worst |diff| / scale {max(worst.values()):.2g}")
+        assert max(worst.values()) <= SCALE_TOL, worst
+    finally:
+        reference.kill_all()
+        job.kill_all()
+
+
+def test_step_batches_read_each_global_batch_in_order_and_resume_from_the_step_alone() -> None:
+    dataset = [np.full(3, i) for i in range(100)]
+    batches = StepBatches(dataset, 4)  # one process here: it reads whole global batches
+    assert [int(row[0]) for row in next(batches)] == [0, 1, 2, 3]
+    assert [int(row[0]) for row in next(batches)] == [4, 5, 6, 7]
+    assert batches.get_state() == {"step": 2} and data.position_is_global(batches)
+    resumed = StepBatches(dataset, 4)
+    resumed.set_state({"step": 5})
+    assert [int(row[0]) for row in next(resumed)] == [20, 21, 22, 23]
+    with pytest.raises(ValueError, match="not a positive multiple"):
+        StepBatches(dataset, 0)
 
 
 def test_an_elastic_attempt_on_half_the_slices_accumulates_two_microbatches(job: Job) -> None:

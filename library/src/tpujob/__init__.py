@@ -19,6 +19,7 @@ The modules below the API (attempt, checkpointing, local_tier, ...) are what the
 """
 
 from tpujob._run import Run, start
+from tpujob.data import StepBatches
 
-__all__ = ["Run", "start"]
+__all__ = ["Run", "StepBatches", "start"]
 __version__ = "0.1.0"

@@ -137,7 +137,7 @@ class Run:
             abstract = jax.tree.map(_abstract_leaf, fresh)
             abstract["step"] = data.abstract_step(self._mesh)
             if data_iterator is not None:
-                abstract["data"] = data.abstract(self._mesh)
+                abstract["data"] = data.abstract_position(self._mesh, data_iterator)
             model = attempt.StateModel(abstract, lambda: fresh, lambda c: _held_step(fresh, c))
             try:
                 restored = attempt.restore_or_init(self.config, model, self._mngr, self._status, self._local)
@@ -153,7 +153,7 @@ class Run:
             _exit_for(err)
         self.first_step = self._status.step = self._status.record_so_far.restored_step or 0
         if data_iterator is not None and self.first_step:
-            data_iterator.set_state(data.from_array(restored["data"]))
+            data.restore_position(data_iterator, restored["data"])
         out: T = restored["state"]
         return out
 
@@ -182,7 +182,7 @@ class Run:
     def _payload(self, state: Any, data_iterator: Any, step: int) -> dict[str, Any]:
         payload: dict[str, Any] = {"state": state, "step": data.step_array(self._mesh, step)}
         if data_iterator is not None:
-            payload["data"] = data.to_array(self._mesh, data_iterator.get_state())
+            payload["data"] = data.position_array(self._mesh, data_iterator)
         return payload
 
     # -- the loop --------------------------------------------------------------------------------
