@@ -147,9 +147,13 @@ def test_storage_outage_killed_then_hung_costs_the_job_nothing(e2e):
     cluster, gcs = e2e.cluster, e2e.cluster.gcs
     assert gcs is not None
     name = "outage"
+    # The storage wait set by the job: the trainers then wait out an outage of that long while training
+    # (by default they give up at half the hang timeout, which guards against storage lost for the
+    # workers alone: a silence the operator would count as a hang).
     e2e.apply(
         name, OUTAGE_STEPS, checkpoint=OUTAGE_CHECKPOINT,
         restart={"hangTimeoutSeconds": OUTAGE_HANG_TIMEOUT, "maxRestarts": 0}, **V5E,
+        env=[{"name": "TPUJOB_STORAGE_WAIT_SECONDS", "value": str(4 * OUTAGE_SECONDS)}],
     )  # fmt: skip
     uid = e2e.uid(name)
     try:

@@ -271,12 +271,15 @@ def test_the_storage_watchdog_gives_up_only_when_storage_fails_its_tries(tmp_pat
     assert len(fired) == 1 and fired[0] > 0.4, fired
 
 
-def test_the_record_may_stay_unwritten_for_the_storage_wait_and_at_most_half_the_hang_timeout() -> None:
-    base = {"TPUJOB_RUN_DIR": "gs://b/ns/j", "TPUJOB_STORAGE_WAIT_SECONDS": "600"}
+def test_the_record_may_stay_unwritten_for_the_storage_wait_and_by_default_at_most_half_the_hang_timeout() -> None:
+    base = {"TPUJOB_RUN_DIR": "gs://b/ns/j"}
+    hang = contract.Env.HANG_TIMEOUT_SECONDS
     assert run_config(base).record_unwritable_limit_seconds == 600
-    assert run_config({**base, contract.Env.HANG_TIMEOUT_SECONDS: "1800"}).record_unwritable_limit_seconds == 600
-    assert run_config({**base, contract.Env.HANG_TIMEOUT_SECONDS: "300"}).record_unwritable_limit_seconds == 150
-    assert run_config({**base, contract.Env.HANG_TIMEOUT_SECONDS: "0"}).record_unwritable_limit_seconds == 600
+    assert run_config({**base, hang: "1800"}).record_unwritable_limit_seconds == 600
+    assert run_config({**base, hang: "300"}).record_unwritable_limit_seconds == 150
+    assert run_config({**base, hang: "0"}).record_unwritable_limit_seconds == 600
+    # The job's own storage wait (spec.env) is its choice, even past the hang clock.
+    assert run_config({**base, hang: "30", "TPUJOB_STORAGE_WAIT_SECONDS": "300"}).record_unwritable_limit_seconds == 300
 
 
 def test_identity_and_storage_wait_from_env() -> None:
