@@ -172,6 +172,15 @@ def test_the_api_reference_is_generated_from_the_crd_and_names_every_field() -> 
             assert f"| `{field.alias or name}` |" in committed, f"{prefix}.{field.alias or name}"
 
 
+def test_rules_that_differ_only_in_their_bound_read_as_one_with_the_range() -> None:
+    rules = [{"rule": "x", "message": f"name must be at most {n} characters for this spec: why"} for n in (35, 36, 40)]
+    rules.append({"rule": "y", "message": "another rule"})
+    assert apidocs._rule_lines({"x-kubernetes-validations": rules}) == [
+        "- name must be at most 35 to 40 characters for this spec: why",
+        "- another rule",
+    ]
+
+
 def _hooks() -> ModuleType:
     spec = importlib.util.spec_from_file_location("mkdocs_hooks", ROOT / "devcluster" / "mkdocs_hooks.py")
     assert spec is not None and spec.loader is not None

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 from pathlib import Path
 from typing import Any
@@ -24,6 +25,24 @@ def _cell(text: str) -> str:
     for char, escaped in (("&", "&amp;"), ("<", "&lt;"), (">", "&gt;"), ("|", "\\|"), ("*", "\\*"), ("`", "'")):
         text = text.replace(char, escaped)
     return text
+
+
+def _rule_lines(node: dict[str, Any]) -> list[str]:
+    """The CEL rules' messages as list items; rules that differ only in one number (one per bound the
+    spec may imply) read as one, with the range."""
+    lines: list[str] = []
+    groups: list[tuple[str, list[int]]] = []
+    for message in (r["message"] for r in node.get(_CEL, []) if "message" in r):
+        number = re.search(r"\d+", message)
+        template = message if number is None else message[: number.start()] + "{}" + message[number.end() :]
+        if number is not None and groups and groups[-1][0] == template:
+            groups[-1][1].append(int(number.group()))
+        else:
+            groups.append((template, [int(number.group())] if number else []))
+    for template, numbers in groups:
+        shown = f"{min(numbers)} to {max(numbers)}" if len(numbers) > 1 else (str(numbers[0]) if numbers else "")
+        lines.append(f"- {_cell(template.replace('{}', shown, 1) if numbers else template)}")
+    return lines
 
 
 def _code(value: Any) -> str:
@@ -85,9 +104,8 @@ def _sections(path: str, node: dict[str, Any], out: list[str]) -> None:
     out += [f"### `{path}`", ""]
     if fields.get("description") and fields is not node:
         out += [_cell(fields["description"]), ""]
-    rules = [r["message"] for r in fields.get(_CEL, []) if "message" in r]
-    if rules:
-        out += ["Rules on the whole object:", "", *(f"- {_cell(m)}" for m in rules), ""]
+    if rules := _rule_lines(fields):
+        out += ["Rules on the whole object:", "", *rules, ""]
     out += ["| field | type | default | description and rules |", "| --- | --- | --- | --- |"]
     nested: list[tuple[str, dict[str, Any]]] = []
     for name, child in fields["properties"].items():
@@ -138,9 +156,8 @@ def render(crd: dict[str, Any]) -> str:
         ),
         "",
     ]
-    rules = [r["message"] for r in root.get(_CEL, []) if "message" in r]
-    if rules:
-        out += ["## Rules on the object", "", *(f"- {_cell(m)}" for m in rules), ""]
+    if rules := _rule_lines(root):
+        out += ["## Rules on the object", "", *rules, ""]
     for part in ("spec", "status"):
         out += [f"## {part}", "", _cell(root["properties"][part].get("description", "")), ""]
         _sections(part, root["properties"][part], out)
