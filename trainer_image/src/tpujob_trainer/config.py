@@ -68,6 +68,7 @@ class TrainConfig:
     learning_rate: float
     warmup_steps: int
     dtype: DType
+    data: str  # --data: a text corpus (file or directory, local or gs://); "" = synthetic (data.py)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -96,7 +97,23 @@ def _flag_parser(env: Mapping[str, str]) -> argparse.ArgumentParser:
                    help="default: 10%% of --steps")  # fmt: skip
     p.add_argument("--dtype", default=env.get("TPUJOB_DTYPE", "auto"), choices=["auto", "float32", "bfloat16"],
                    help="compute dtype; auto = bfloat16 on TPU/GPU, float32 on CPU")  # fmt: skip
+    p.add_argument("--data", default=env.get("TPUJOB_DATA", ""),
+                   help="train on this text corpus (a file, or a directory of them; local or gs://) as "
+                        "bytes; default: synthetic data")  # fmt: skip
     return p
+
+
+# A byte-level corpus (corpus.py) has tokens 0..255: the embedding must have a row for each.
+BYTE_VOCAB = 256
+
+
+def check_data(data: str, model: ModelConfig) -> None:
+    """Raise ConfigError if the model cannot take the corpus's byte tokens."""
+    _require(
+        not data or model.vocab_size >= BYTE_VOCAB,
+        f"--data {data} is read as bytes (tokens 0..{BYTE_VOCAB - 1}): model {model.name} has a vocabulary "
+        f"of {model.vocab_size}, fewer than {BYTE_VOCAB}",
+    )
 
 
 def _train_config(args: argparse.Namespace) -> TrainConfig:
@@ -110,9 +127,12 @@ def _train_config(args: argparse.Namespace) -> TrainConfig:
     _require(args.learning_rate > 0, f"learning rate must be > 0, got {args.learning_rate}")
     warmup = args.warmup_steps if args.warmup_steps >= 0 else max(1, args.steps // 10)
     _require(warmup < args.steps, f"warmup steps ({warmup}) must be < steps ({args.steps})")
+    data = args.data.strip()
+    check_data(data, model)
     return TrainConfig(
         model=model, steps=args.steps, batch_size=args.batch_size, seq_len=args.seq_len, seed=args.seed,
         log_every=args.log_every, learning_rate=args.learning_rate, warmup_steps=warmup, dtype=args.dtype,
+        data=data,
     )  # fmt: skip
 
 

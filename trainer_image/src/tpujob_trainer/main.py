@@ -17,9 +17,10 @@ import logging
 import os
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import jax
+import numpy as np
 import tpujob_contract as contract
 from tpujob import attempt, compile_cache, progress
 from tpujob.checkpointing import CheckpointIncompatible, CheckpointManager, PreemptionNotice, StoragePermissionDenied
@@ -27,7 +28,7 @@ from tpujob.local_tier import LocalTier
 from tpujob.progress import AttemptProgress
 from tpujob_contract import ExitCode
 
-from tpujob_trainer.config import Config, parse_config
+from tpujob_trainer.config import Config, TrainConfig, parse_config
 from tpujob_trainer.data import batch_for_step
 from tpujob_trainer.train import State, Trainer, make_mesh
 
@@ -39,8 +40,18 @@ def _state_model(trainer: Trainer) -> attempt.StateModel[State]:
     return attempt.StateModel(trainer.abstract_state, trainer.init, lambda state: int(attempt.scalar(state["step"])))
 
 
+def _batches(tc: TrainConfig) -> Callable[[int], np.ndarray]:
+    """step -> the global batch of that step: the corpus's with --data, else synthetic."""
+    if tc.data:
+        from tpujob_trainer import corpus  # imports Grain: only real-data runs pay its start-up cost
+
+        return corpus.batches(tc)
+    return lambda step: batch_for_step(tc.seed, step, tc.batch_size, tc.seq_len, tc.model.vocab_size)
+
+
 def _train(
     cfg: Config,
+    batch_of_step: Callable[[int], np.ndarray],
     trainer: Trainer,
     state: State,
     mngr: CheckpointManager | None,
@@ -55,7 +66,7 @@ def _train(
     window_start, window_steps, last_publish = time.monotonic(), 0, float("-inf")
     for step in range(status.step + 1, tc.steps + 1):
         # The update producing `step` consumes batch step-1: data position == step.
-        batch = trainer.device_batch(batch_for_step(tc.seed, step - 1, tc.batch_size, tc.seq_len, tc.model.vocab_size))
+        batch = trainer.device_batch(batch_of_step(step - 1))
         state, loss = trainer.step(state, batch)
         window_steps += 1
         if hook.after_step(step, state, loss):
@@ -82,6 +93,7 @@ def _train(
 
 
 def run(cfg: Config, process_started_at: str | None = None) -> ExitCode:
+    batch_of_step = _batches(cfg.train)  # a bad --data exits 2 here, before any peer or storage waits on it
     cache = compile_cache.install(cfg.compilation_cache_dir, cfg.storage_timeout_seconds)  # before any compile
     distributed = attempt.init_distributed(cfg)
     notice = PreemptionNotice(distributed)
@@ -117,7 +129,7 @@ def run(cfg: Config, process_started_at: str | None = None) -> ExitCode:
             status.update(state="incompatible")
             return ExitCode.CHECKPOINT_INCOMPATIBLE
         status.step = status.record_so_far.restored_step or 0
-        preempted = _train(cfg, trainer, state, mngr, notice, writer, status, local)
+        preempted = _train(cfg, batch_of_step, trainer, state, mngr, notice, writer, status, local)
         status.update(state="preempted" if preempted else "succeeded")
     except StoragePermissionDenied as err:
         attempt.denied(cfg, err, status)  # the record below says so, if storage still takes it
