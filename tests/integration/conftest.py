@@ -66,8 +66,12 @@ class OperatorThread:
         return self
 
     def stop(self) -> None:
+        """Stop it for good: an operator left running after its test (cluster-wide, with that test's
+        settings, a refusing policy say) would act on the next tests' jobs."""
         self.stop_flag.set()
-        self.thread.join(30)
+        self.thread.join(300)  # kopf's shutdown under load takes seconds; this bounds a stuck one
+        if self.thread.is_alive():
+            raise RuntimeError("the operator thread did not stop within 300 s; later tests would meet it")
 
 
 @pytest.fixture

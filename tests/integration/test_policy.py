@@ -210,7 +210,7 @@ def test_without_the_admission_policy_the_operator_refuses_and_reads_nothing(kub
     refusing = policy.Policy(
         checkpoint_locations=(ALLOWED,), operator_namespace=namespace, operator_service_account="tpujob"
     )
-    start_operator(RuntimeSettings(policy=refusing))
+    start_operator(RuntimeSettings(policy=refusing), namespaces=[namespace])
     jobs = {
         "own-account": (
             training_job_manifest("own-account", serviceAccountName="tpujob"),
@@ -323,14 +323,14 @@ def test_a_tightened_policy_lets_the_running_attempt_finish_and_never_restarts_i
     its JobSet deleted with 5 s of grace, nothing saved). The attempt goes on with a PolicyViolation
     condition and Event; when it ends, the job is Failed/PolicyViolation instead of restarted."""
     cluster = Cluster(kube, namespace)
-    before = start_operator(RuntimeSettings(policy=policy.Policy(checkpoint_locations=(ALLOWED,))))
+    before = start_operator(RuntimeSettings(policy=policy.Policy(checkpoint_locations=(ALLOWED,))), [namespace])
     cluster.apply(training_job_manifest("late", checkpoint=_IN))
     first = eventually(lambda: cluster.jobset("late-a0"), what="the first JobSet")
 
     # `helm upgrade` with a stricter policy: a new operator process, with the new flags.
     before.stop()
     tightened = f"gs://{TEST_BUCKET}/other"
-    start_operator(RuntimeSettings(policy=policy.Policy(checkpoint_locations=(tightened,))))  # the job's is outside
+    start_operator(RuntimeSettings(policy=policy.Policy(checkpoint_locations=(tightened,))), [namespace])  # outside
     problem = policy.LOCATION_MESSAGE.format(directory=ALLOWED, allowed=tightened)
 
     def warned() -> dict[str, Any] | None:
@@ -364,7 +364,7 @@ def test_a_kueue_priority_relabelled_while_the_job_runs_never_reaches_an_attempt
     PolicyViolation condition, and the next one, which would carry the label, is refused instead. A label
     change makes no new generation: the operator's watch asks for a reconcile on a forbidden one."""
     cluster = Cluster(kube, namespace)
-    start_operator(RuntimeSettings(policy=policy.Policy(priority_classes=("low",))))
+    start_operator(RuntimeSettings(policy=policy.Policy(priority_classes=("low",))), [namespace])
     cluster.apply(_labelled("relabelled", "low"))
     first = eventually(lambda: cluster.jobset("relabelled-a0"), what="the first JobSet")
     client.CustomObjectsApi(kube).patch_namespaced_custom_object(
