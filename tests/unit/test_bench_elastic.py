@@ -1,23 +1,11 @@
 """bench/elastic.py's pure parts: each job's own shape, and the loss window read off its goodput ledger."""
 
-import importlib.util
-from pathlib import Path
-from types import ModuleType
-
 import pytest
 from tpujob_operator import api
 
+from . import benches
 
-def _load() -> ModuleType:
-    path = Path(__file__).resolve().parents[2] / "bench" / "elastic.py"
-    spec = importlib.util.spec_from_file_location("bench_elastic", path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-bench = _load()
+bench = benches.load("elastic")
 
 
 def test_the_two_jobs_have_shapes_of_their_own_and_only_one_is_elastic():

@@ -1,24 +1,11 @@
 """bench/operator_scale.py's pure parts: which watch events time a reaction, and the targets read
 from each share of it."""
 
-import importlib.util
-import sys
-from pathlib import Path
-from types import ModuleType
 from typing import Any
 
+from . import benches
 
-def _load() -> ModuleType:
-    path = Path(__file__).resolve().parents[2] / "bench" / "operator_scale.py"
-    spec = importlib.util.spec_from_file_location("bench_operator_scale", path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-scale = _load()
+scale = benches.load("operator_scale")
 
 
 def _pod(phase: str | None) -> dict[str, Any]:

@@ -1,12 +1,9 @@
 """bench/recovery.py's pure parts: the job order (sides alternate), the sides compared, the
 quantiles and the before/after comparison."""
 
-import importlib.util
 import random
 import subprocess
-import sys
 from pathlib import Path
-from types import ModuleType
 from typing import Any, cast
 
 import numpy
@@ -18,18 +15,9 @@ from tpujob_devcluster.throttle import ThrottledProxy
 from tpujob_operator.api import TrainingJob
 from tpujob_operator.jobset import CONTAINER, build_jobset
 
+from . import benches
 
-def _load() -> ModuleType:
-    path = Path(__file__).resolve().parents[2] / "bench" / "recovery.py"
-    spec = importlib.util.spec_from_file_location("bench_recovery", path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses resolve their module's annotations through it
-    spec.loader.exec_module(module)
-    return module
-
-
-recovery = _load()
+recovery = benches.load("recovery")
 
 
 def _sides() -> list[Any]:

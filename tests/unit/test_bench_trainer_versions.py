@@ -2,18 +2,13 @@
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 from pathlib import Path
 
 import pytest
 
-_PATH = Path(__file__).resolve().parents[2] / "bench" / "trainer_versions.py"
-_SPEC = importlib.util.spec_from_file_location("bench_trainer_versions", _PATH)
-assert _SPEC is not None and _SPEC.loader is not None
-bench = importlib.util.module_from_spec(_SPEC)
-sys.modules[_SPEC.name] = bench  # dataclasses resolve their module's annotations through it
-_SPEC.loader.exec_module(bench)
+from . import benches
+
+bench = benches.load("trainer_versions")
 
 
 def test_a_runs_rate_is_the_median_of_its_progress_lines_past_the_warmup() -> None:
