@@ -100,24 +100,16 @@ class RunConfig:
     progress_interval_seconds: float
     storage_timeout_seconds: float  # one storage probe
     storage_wait_seconds: float  # how long unreachable storage is waited out before exit 3
-    hang_timeout_seconds: float = 0.0  # the operator's hang timeout (Env.HANG_TIMEOUT_SECONDS); 0: none
-    storage_wait_set: bool = False  # TPUJOB_STORAGE_WAIT_SECONDS given (the job's own choice), not the default
+    # How long the progress record may go unwritten while training before the trainer gives up
+    # (exit 3, not counted): record_unwritable_limit()
+    record_unwritable_limit_seconds: float
     compilation_cache_dir: str | None = None  # persistent JAX compilation cache; None = off
     local_tier: LocalTierConfig | None = None  # the local checkpoint tier; None = GCS alone
-
-    @property
-    def record_unwritable_limit_seconds(self) -> float:
-        """How long the progress record may go unwritten while training before the trainer gives up
-        (exit 3, not counted): the storage wait when the job sets it (spec.env), else the default wait
-        and at most half the operator's hang timeout, whose clock reads the record's silence as a hang
-        (counted) when the operator itself still reads the bucket."""
-        if self.storage_wait_set or self.hang_timeout_seconds <= 0:
-            return self.storage_wait_seconds
-        return min(self.storage_wait_seconds, self.hang_timeout_seconds / 2)
 
 
 JAX_COMPILATION_CACHE_ENV = "JAX_COMPILATION_CACHE_DIR"
 STORAGE_WAIT_ENV = "TPUJOB_STORAGE_WAIT_SECONDS"  # a job may set it in spec.env
+DEFAULT_STORAGE_WAIT_SECONDS = 600.0
 
 
 def compilation_cache_dir(env: Mapping[str, str], run_dir: str | None) -> str | None:
@@ -264,13 +256,23 @@ def run_config(env: Mapping[str, str]) -> RunConfig:
         attempt=_int(env, Env.ATTEMPT, 0),
         progress_interval_seconds=_float(env, contract.PROGRESS_INTERVAL_ENV, 5.0),
         storage_timeout_seconds=_storage_seconds(env, "TPUJOB_STORAGE_TIMEOUT_SECONDS", 30.0),
-        storage_wait_seconds=_storage_seconds(env, STORAGE_WAIT_ENV, 600.0),
-        hang_timeout_seconds=_storage_seconds(env, Env.HANG_TIMEOUT_SECONDS, 0.0),
-        storage_wait_set=bool(env.get(STORAGE_WAIT_ENV, "").strip()),
+        storage_wait_seconds=_storage_seconds(env, STORAGE_WAIT_ENV, DEFAULT_STORAGE_WAIT_SECONDS),
+        record_unwritable_limit_seconds=record_unwritable_limit(env),
         compilation_cache_dir=compilation_cache_dir(env, run_dir),
         # Only beside the GCS tier: restoring it needs GCS's latest step to compare with.
         local_tier=local_tier_config(env) if run_dir else None,
     )
+
+
+def record_unwritable_limit(env: Mapping[str, str]) -> float:
+    """The storage wait when the job sets it (spec.env), else the default wait and at most half the
+    operator's hang timeout, whose clock reads the record's silence as a hang (counted) when the
+    operator itself still reads the bucket."""
+    wait = _storage_seconds(env, STORAGE_WAIT_ENV, DEFAULT_STORAGE_WAIT_SECONDS)
+    hang = _storage_seconds(env, Env.HANG_TIMEOUT_SECONDS, 0.0)
+    if env.get(STORAGE_WAIT_ENV, "").strip() or hang <= 0:
+        return wait
+    return min(wait, hang / 2)
 
 
 # For a trainer's own env fallbacks (tpujob_trainer.config): one parser of each kind.
