@@ -17,6 +17,7 @@ from tpujob_contract import JOBSET_GROUP, JOBSET_PLURAL, JOBSET_VERSION, LABEL_U
 from tpujob_operator import api
 from tpujob_operator.kube import Cluster as OperatorCluster
 from tpujob_operator.kube import Conflict, load_config
+from tpujob_operator.restarts import WORKER_POD_DELETED
 
 from .conftest import eventually, training_job_manifest
 from .test_operator import Cluster, _now
@@ -44,7 +45,8 @@ def test_a_new_failure_leaves_nothing_of_the_previous_one_in_status(operator, cl
     cluster.fail_slice(first, slice_index=1, exit_code=1)
     eventually(lambda: cluster.jobset(f"{unique_name}-a1"), what="JobSet a1")
     assert cluster.status(unique_name)["lastFailure"]["slice"] == 1
-    # The second attempt fails with no pod to blame: the JobSet's condition alone.
+    # The second attempt fails with no pod left to blame (a deleted pod takes its reason with it): the
+    # infrastructure's, not counted.
     condition = {
         "type": "Failed",
         "status": "True",
@@ -57,7 +59,8 @@ def test_a_new_failure_leaves_nothing_of_the_previous_one_in_status(operator, cl
         lambda: (s := cluster.status(unique_name)).get("attempt") == 2 and s, what="second restart recorded"
     )
     failure = status["lastFailure"]
-    assert failure["kind"] == "Unknown" and failure["reason"] == "FailedJobs"
+    assert failure["kind"] == "Preemption" and failure["reason"] == WORKER_POD_DELETED
+    assert failure["counted"] is False and status["countedRestarts"] == 1
     assert "slice" not in failure and "lostSteps" not in failure and "recoverySeconds" not in failure
 
 

@@ -16,6 +16,7 @@ from .world import ACCELERATOR, TOPOLOGY, Config, World
 Kind = Literal[
     "crash",
     "evict_for_memory",
+    "drain",
     "node_shutdown",
     "node_lost",
     "partition",
@@ -88,7 +89,7 @@ def _elastic(config: Config) -> dict[str, int]:
 
 
 def apply(world: World, operator: Operator, event: Event) -> None:
-    if event.kind in ("crash", "evict_for_memory", "node_shutdown", "node_lost", "partition", "hang"):
+    if event.kind in ("crash", "evict_for_memory", "drain", "node_shutdown", "node_lost", "partition", "hang"):
         getattr(world, event.kind)(event.arg)
     elif event.kind in ("heal_partitions", "auto_repair", "delete_job"):
         getattr(world, event.kind)()

@@ -563,7 +563,7 @@ class World:
                     self._delete_pod(pod, TERMINATION_GRACE_SECONDS)
                 continue
             run = [p for p in pods if p.run == js.run]
-            if any(p.phase == "Failed" for p in run):
+            if any(p.phase == "Failed" for p in run) or self._deleted_unended(js):
                 js.state = "Failed"  # failurePolicy maxRestarts 0: the Jobs' other pods get their own grace
                 for pod in run:
                     if not pod.ended():
@@ -587,6 +587,14 @@ class World:
                     group.pods.append(name)
                     self.changed = True
 
+    def _deleted_unended(self, js: JobSet) -> bool:
+        """The Job controller counts a pod of its own that was deleted before it ended as failed (an
+        eviction's, a preemption's): with backoffLimit 0 the Job, and so the JobSet, fails."""
+        return any(
+            p.gone and not p.ended() and p.jobset == js.name and p.run == js.run and p.created >= js.created
+            for p in self.pods.values()
+        )
+
     def _scheduler(self) -> None:
         for pod in sorted(self.live_pods(), key=lambda p: p.name):
             if pod.node is not None or pod.deleting_until is not None:
@@ -608,6 +616,8 @@ class World:
         group = self._group_of(pod)
         if self.storage.blind_for_workers(self.now):
             return  # no grace could have let the save commit
+        if group is not None and not all(self.pods[n].process_alive for n in group.pods):
+            return  # a peer died first: the save, which needs every process, could never commit
         if group is not None and group.stopping_at is not None and group.stopping_at not in self.storage.committed:
             step = group.stopping_at
             self.truth.killed_saving.append(
@@ -682,6 +692,15 @@ class World:
         if (pod := self._target(index)) is not None:
             self._blame(pod, "job", "node-pressure eviction")
             self._end(pod, "Failed", 137, "Evicted", disruption="TerminationByKubelet")
+
+    def drain(self, index: int) -> None:
+        """A drain (maintenance, an upgrade) evicts a worker through the Eviction API: a DisruptionTarget,
+        then the pod's deletion with its own grace, which its SIGTERM save may use; once it has ended
+        the pod is gone from the apiserver, and its DisruptionTarget with it."""
+        if (pod := self._target(index)) is not None:
+            self._blame(pod, "infrastructure", "evicted by a drain")
+            pod.disruption = "EvictionByEvictionAPI"
+            self._delete_pod(pod, TERMINATION_GRACE_SECONDS)
 
     def node_shutdown(self, index: int) -> None:
         """Graceful node shutdown (spot reclaim, maintenance): the kubelet ends the pod, the node goes."""

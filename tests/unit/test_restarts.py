@@ -1,9 +1,19 @@
+import dataclasses
 from datetime import UTC, datetime, timedelta
 
 import pytest
 from tpujob_operator.api import RestartSpec
 from tpujob_operator.facts import JobSetFacts, PodFacts
-from tpujob_operator.restarts import backoff, classify_jobset_failure, classify_pod, counts_against_budget
+from tpujob_operator.restarts import (
+    FAILED_JOBSET_POD_WAIT_SECONDS,
+    POD_NEWS_RECHECK_SECONDS,
+    WORKER_POD_DELETED,
+    backoff,
+    classify_jobset_failure,
+    classify_pod,
+    counts_against_budget,
+    pod_news_wait,
+)
 
 T0 = datetime(2026, 11, 30, 12, 0, tzinfo=UTC)
 
@@ -45,12 +55,32 @@ def test_root_cause_is_the_earliest_failed_pod_not_its_collateral():
     assert (failure.kind, failure.slice) == ("Preemption", 1)
 
 
-def test_without_pods_the_jobset_condition_is_reported():
+def test_a_failed_jobset_whose_pods_are_all_gone_is_a_deleted_pods_not_the_jobs():
+    # An eviction or preemption deletes the pod and its DisruptionTarget with it; an operator that was
+    # down meanwhile finds a failed JobSet and nothing else. A crash leaves its Failed pod behind.
     jobset = JobSetFacts(
-        "js", 0, None, T0, "Failed", condition_reason="FailedJobs", condition_message="job js-slice-1 failed"
-    )
+        "js", 0, None, T0, "Failed", condition_reason="FailedJobs", condition_message="job js-slice-1 failed",
+        ended_at=T0, pods=(PodFacts("c", 1, "Running", deleting=True),),
+    )  # fmt: skip
+    failure = classify_jobset_failure(jobset)
+    assert (failure.kind, failure.reason, failure.time) == ("Preemption", WORKER_POD_DELETED, T0)
+    assert not counts_against_budget(failure.kind, RestartSpec())
+    assert pod_news_wait(jobset, failure, T0) is None
+
+
+def test_a_failed_jobset_beside_a_running_pod_waits_a_bounded_while_for_the_pods_news():
+    jobset = JobSetFacts(
+        "js", 0, None, T0, "Failed", condition_reason="FailedJobs", condition_message="job js-slice-1 failed",
+        ended_at=T0, pods=(PodFacts("c", 1, "Running"),),
+    )  # fmt: skip
     failure = classify_jobset_failure(jobset)
     assert (failure.kind, failure.reason, failure.message) == ("Unknown", "FailedJobs", "job js-slice-1 failed")
+    assert pod_news_wait(jobset, failure, T0 + timedelta(seconds=1)) == POD_NEWS_RECHECK_SECONDS
+    past = T0 + timedelta(seconds=FAILED_JOBSET_POD_WAIT_SECONDS + 1)
+    assert pod_news_wait(jobset, failure, past) is None  # then decided as the JobSet says: counted
+    crashed = dataclasses.replace(jobset, pods=(PodFacts("a", 0, "Failed", exit_code=1, finished_at=T0), *jobset.pods))
+    crash = classify_jobset_failure(crashed)
+    assert crash.kind == "ApplicationError" and pod_news_wait(crashed, crash, T0) is None
 
 
 def test_preemptions_count_only_when_asked():

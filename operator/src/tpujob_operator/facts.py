@@ -75,6 +75,7 @@ class PodFacts:
     last_finished_at: datetime | None = None
     last_termination_message: str | None = None
     in_place_attempt: int | None = None  # JobSet's agent's annotation: the in-place restart round it is at
+    deleting: bool = False  # its deletion was asked (metadata.deletionTimestamp)
 
 
 @dataclass(frozen=True)
@@ -111,6 +112,7 @@ class JobSetFacts:
     state: JobSetState
     condition_reason: str = ""
     condition_message: str = ""
+    ended_at: datetime | None = None  # its Completed or Failed condition's lastTransitionTime
     failed_slice: int | None = None  # from the failed child Job, when JobSet's status names one
     pods: tuple[PodFacts, ...] = ()
     deleting: bool = False

@@ -49,6 +49,7 @@ from .restarts import (
     counts_against_budget,
     expired,
     node_verdict_wait,
+    pod_news_wait,
     uncounted_streak,
     with_node_evidence,
 )
@@ -208,8 +209,12 @@ def _decide(tj: TrainingJob, observed: Observed) -> tuple[TrainingJobStatus, Act
             failure = classify_in_place_round(current, _last_failure_time(status), observed.nodes, now)
         else:
             failure = classify_jobset_failure(current, observed.nodes, now)
-        # A failure that would count waits (briefly) while a pod still runs: it may be the dead host's.
-        if (wait := node_verdict_wait(current, failure, observed.nodes, now)) is not None:
+        # A failure that would count waits (briefly) while a pod still runs: it may be the dead host's,
+        # or the pod that explains it may not have reached the watch yet.
+        wait = node_verdict_wait(current, failure, observed.nodes, now)
+        if wait is None:
+            wait = pod_news_wait(current, failure, now)
+        if wait is not None:
             actions.requeue_after = wait
             return status, actions
         return _after_failure(tj, status, observed, actions, current, failure)

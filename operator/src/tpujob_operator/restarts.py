@@ -10,7 +10,7 @@ from datetime import datetime, timedelta
 from tpujob_contract import ExitCode
 
 from .api import FailureKind, RestartSpec
-from .facts import JobSetFacts, NodeFacts, PodFacts
+from .facts import POD_ENDED_PHASES, JobSetFacts, NodeFacts, PodFacts
 from .nodes import NODE_FAILURE_WINDOW_SECONDS, NODE_GONE_DISRUPTION, Evidence, infrastructure_evidence, verdict_wait
 
 # The trainer's exit codes that name a cause (the contract; trainer_image/README.md, "Exit codes"):
@@ -57,6 +57,11 @@ _INFRASTRUCTURE_DISRUPTIONS: dict[str, FailureKind] = {
 _NODE_LOST_POD_REASONS = {"NodeLost", "NodeShutdown", "Terminated"}
 NODE_PRESSURE_EVICTION = "Evicted"  # the pod's status.reason after the kubelet's node-pressure eviction
 ABORTED = 134  # 128 + SIGABRT
+# Why a failed JobSet none of whose pods is left failed (Preemption: the infrastructure's by default).
+WORKER_POD_DELETED = "WorkerPodDeleted"
+# How long a failed JobSet that no pod explains waits for its running pods' news, and how often it looks.
+FAILED_JOBSET_POD_WAIT_SECONDS = 30.0
+POD_NEWS_RECHECK_SECONDS = 2.0
 # What JAX's coordination service (XLA's distributed runtime) says when it aborts a healthy process.
 _DISTRIBUTED_ABORT_MARKS = ("incarnation", "registertask", "coordination service")
 # Kinds that blame the job, which the nodes under its pods can show to be the infrastructure's (nodes.py):
@@ -204,6 +209,14 @@ def _earliest_failure(jobset: JobSetFacts) -> Failure:
     if failures:
         dated = [f for f in failures if f.time is not None]
         return min(dated, key=lambda f: f.time or datetime.min) if dated else failures[0]
+    if jobset.state == "Failed" and not any(_running(p) for p in jobset.pods):
+        # A crashed worker's pod stays Failed in the API (backoffLimit 0); only a deleted one is missing:
+        # an eviction, a preemption, a node's removal, whose DisruptionTarget went with the pod.
+        message = (
+            f"JobSet {jobset.name} failed and no pod of it is left to say why: a worker pod was deleted "
+            "(an eviction, a preemption or a node's removal) before the operator read it"
+        )
+        return Failure("Preemption", WORKER_POD_DELETED, message, jobset.failed_slice, jobset.ended_at)
     return Failure(
         "Unknown",
         jobset.condition_reason or "JobSetFailed",
@@ -211,6 +224,22 @@ def _earliest_failure(jobset: JobSetFacts) -> Failure:
         jobset.failed_slice,
         None,
     )
+
+
+def _running(pod: PodFacts) -> bool:
+    return pod.phase not in POD_ENDED_PHASES and not pod.deleting
+
+
+def pod_news_wait(jobset: JobSetFacts, failure: Failure, now: datetime) -> float | None:
+    """Seconds to hold the decision on a failed JobSet that no pod explains while one of its pods still
+    shows running (the pod watch may lag the JobSet's, and JobSet deletes the other pods only after it
+    failed): a crash's Failed pod, or the deletion of them all, is due. None: decide now."""
+    if jobset.in_place or jobset.state != "Failed" or jobset.ended_at is None or failure.time is not None:
+        return None  # an in-place round's pods run on; a dated failure is a pod's
+    if failure.kind != "Unknown" or not any(_running(p) for p in jobset.pods):
+        return None
+    left = FAILED_JOBSET_POD_WAIT_SECONDS - (now - jobset.ended_at).total_seconds()
+    return min(left, POD_NEWS_RECHECK_SECONDS) if left > 0 else None
 
 
 def counts_against_budget(kind: FailureKind, policy: RestartSpec) -> bool:
