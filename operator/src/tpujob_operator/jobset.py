@@ -420,6 +420,7 @@ def pod_facts(pod: dict[str, Any]) -> PodFacts:
         last_finished_at=parse_time(last.get("finishedAt")),
         last_termination_message=last.get("message"),
         in_place_attempt=int(attempt_text) if attempt_text.isdigit() else None,
+        deleting=bool(meta.get("deletionTimestamp")),
     )
 
 
@@ -492,6 +493,7 @@ def jobset_facts(
         state=state,
         condition_reason=(condition or {}).get("reason", ""),
         condition_message=(condition or {}).get("message", ""),
+        ended_at=parse_time((condition or {}).get("lastTransitionTime")),
         pods=pod_list,
         deleting=bool(meta.get("deletionTimestamp")),
         uid=incarnation_uid(jobset),
