@@ -6,9 +6,12 @@
 # the worker's PID 1 in front of it (tpujob-init, from this repository: built every time into
 # INIT_DIR, controlplane.IMAGE_BIN_DIR, since its source is not versioned like the others),
 # and Kueue (optional in the devcluster, built all the same so a clean clone has everything).
-# Versions are pinned here; the cache key is the version set, so a bump rebuilds into a new folder.
-# Kueue has its own versioned folder (a bump rebuilds only Kueue), linked from the bin folder as
-# kueue/: its manager binary, its CRDs and its webhook configurations, copied from the module.
+# Versions are pinned here; each folder's key is its versions, so a bump rebuilds into a new folder.
+# The bin folder (the one printed) is keyed by Kubernetes, etcd and kwok and holds their binaries.
+# JobSet and Kueue have versioned folders of their own (a bump rebuilds only that one), linked from it:
+#   jobset-$JOBSET_VERSION/: jobset (the controller), agent/, jobset-crd.yaml and jobset-webhooks.yaml
+#   (its CRD and webhook configurations, copied from the module), each linked by that name;
+#   kueue-$KUEUE_VERSION/: its manager binary, its CRDs and its webhook configurations, linked as kueue/.
 set -euo pipefail
 
 K8S_VERSION="${K8S_VERSION:-v1.35.4}"
@@ -24,11 +27,13 @@ REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 INIT_DIR="${INIT_DIR:-$REPO/build/image-bin}"
 
 CACHE_ROOT="${TPUJOB_CACHE:-$HOME/.cache/tpujob}"
-KEY="k8s-${K8S_VERSION}_etcd-${ETCD_VERSION}_jobset-${JOBSET_VERSION}_kwok-${KWOK_VERSION}"
+KEY="k8s-${K8S_VERSION}_etcd-${ETCD_VERSION}_kwok-${KWOK_VERSION}"
 BIN="$CACHE_ROOT/bin/$KEY"
 SRC="$CACHE_ROOT/src/$KEY"
+JOBSET_BIN="$CACHE_ROOT/bin/jobset-${JOBSET_VERSION}"
+JOBSET_SRC="$CACHE_ROOT/src/jobset-${JOBSET_VERSION}"
 KUEUE_BIN="$CACHE_ROOT/bin/kueue-${KUEUE_VERSION}"
-mkdir -p "$BIN" "$SRC"
+mkdir -p "$BIN" "$SRC" "$JOBSET_BIN" "$JOBSET_SRC"
 # Go's own caches live in the same versioned root so CI can keep them between runs.
 export GOMODCACHE="${GOMODCACHE:-$CACHE_ROOT/go/mod}"
 export GOCACHE="${GOCACHE:-$CACHE_ROOT/go/build}"
@@ -121,7 +126,7 @@ GO
 # `go install module@version` asks the proxy for the module's version list (to check deprecation),
 # which the proxy refuses for some modules; a one-line wrapper module needs only that exact version.
 module_wrapper() {
-  local name="$1" module="$2" version="$3" package="$4" dir="$SRC/$1"
+  local name="$1" module="$2" version="$3" package="$4" dir="$5"
   [ -f "$dir/go.sum" ] && return 0
   mkdir -p "$dir"
   printf 'module tpujob.dev/devcluster/%s\ngo 1.25\nrequire %s %s\n' "$name" "$module" "$version" > "$dir/go.mod"
@@ -129,38 +134,66 @@ module_wrapper() {
   (cd "$dir" && go mod tidy >/dev/null)
 }
 
+jobset_wrapper() { module_wrapper jobset sigs.k8s.io/jobset "$JOBSET_VERSION" sigs.k8s.io/jobset "$JOBSET_SRC"; }
+kwok_wrapper() { module_wrapper kwok sigs.k8s.io/kwok "$KWOK_VERSION" sigs.k8s.io/kwok/cmd/kwok "$SRC/kwok"; }
+
 ldflags_k8s() {
   local pkg="k8s.io/component-base/version"
   local minor="${K8S_VERSION#v1.}"; minor="${minor%%.*}"
   echo "-s -w -X ${pkg}.gitVersion=${K8S_VERSION} -X ${pkg}.gitMajor=1 -X ${pkg}.gitMinor=${minor} -X ${pkg}.gitTreeState=clean -X ${pkg}/verflag.programName=kubernetes"
 }
 
+# Where a component's binary goes: the JobSet controller and its agent (the container's process under
+# JobSet's InPlaceRestart) into JobSet's folder, the others into the bin folder.
+binary() {
+  case "$1" in
+    jobset) echo "$JOBSET_BIN/jobset" ;;
+    agent) echo "$JOBSET_BIN/agent/in-place-restart-agent" ;;
+    *) echo "$BIN/$1" ;;
+  esac
+}
+
+# The cache before JobSet had a folder of its own keyed Kubernetes, etcd, JobSet and kwok together
+# (bin/k8s-V_etcd-V_jobset-V_kwok-V): a control-plane binary of the same versions there is taken over
+# (a hard link, or a copy), not built again.
+adopt() {
+  local name="$1" out="$2" old
+  for old in "$CACHE_ROOT/bin/k8s-${K8S_VERSION}_etcd-${ETCD_VERSION}_jobset-"*"_kwok-${KWOK_VERSION}/$name"; do
+    [ -x "$old" ] || continue
+    if { ln -f "$old" "$out.tmp.$$" 2>/dev/null || cp "$old" "$out.tmp.$$"; } && mv "$out.tmp.$$" "$out"; then
+      log "took $name over from $(dirname "$old")"
+      return 0
+    fi
+  done
+  return 1
+}
+
 build_one() {
-  local name="$1" out="$BIN/$1"
-  # The agent (the container's process under JobSet's InPlaceRestart) from the JobSet module at JOBSET_VERSION.
-  [ "$name" = agent ] && out="$BIN/agent/in-place-restart-agent" && mkdir -p "$BIN/agent"
+  local name="$1" out
+  out="$(binary "$1")"
   if [ -x "$out" ]; then return 0; fi
+  mkdir -p "$(dirname "$out")"
   local start=$SECONDS
   log "building $name"
   case "$name" in
     kube-apiserver|kube-controller-manager|kube-scheduler)
       logged "$name" k8s_wrapper
-      logged "$name" go -C "$SRC/k8s" build -trimpath -ldflags "$(ldflags_k8s)" -o "$BIN/$name.tmp.$$" "k8s.io/kubernetes/cmd/$name" ;;
+      logged "$name" go -C "$SRC/k8s" build -trimpath -ldflags "$(ldflags_k8s)" -o "$out.tmp.$$" "k8s.io/kubernetes/cmd/$name" ;;
     etcd)
       logged "$name" etcd_wrapper
-      logged "$name" go -C "$SRC/etcd" build -trimpath -ldflags "-s -w" -o "$BIN/$name.tmp.$$" . ;;
+      logged "$name" go -C "$SRC/etcd" build -trimpath -ldflags "-s -w" -o "$out.tmp.$$" . ;;
     jobset)
-      logged "$name" module_wrapper jobset sigs.k8s.io/jobset "$JOBSET_VERSION" sigs.k8s.io/jobset
-      logged "$name" go -C "$SRC/jobset" build -trimpath -ldflags "-s -w" -o "$BIN/$name.tmp.$$" sigs.k8s.io/jobset ;;
+      logged "$name" jobset_wrapper
+      logged "$name" go -C "$JOBSET_SRC" build -trimpath -ldflags "-s -w" -o "$out.tmp.$$" sigs.k8s.io/jobset ;;
     agent)
-      logged "$name" module_wrapper jobset sigs.k8s.io/jobset "$JOBSET_VERSION" sigs.k8s.io/jobset
-      logged "$name" go -C "$SRC/jobset" build -trimpath -ldflags "-s -w" -o "$out.tmp.$$" sigs.k8s.io/jobset/cmd/in-place-restart-agent ;;
+      logged "$name" jobset_wrapper
+      logged "$name" go -C "$JOBSET_SRC" build -trimpath -ldflags "-s -w" -o "$out.tmp.$$" sigs.k8s.io/jobset/cmd/in-place-restart-agent ;;
     kwok)
-      logged "$name" module_wrapper kwok sigs.k8s.io/kwok "$KWOK_VERSION" sigs.k8s.io/kwok/cmd/kwok
-      logged "$name" go -C "$SRC/kwok" build -trimpath -ldflags "-s -w" -o "$BIN/$name.tmp.$$" sigs.k8s.io/kwok/cmd/kwok ;;
+      logged "$name" kwok_wrapper
+      logged "$name" go -C "$SRC/kwok" build -trimpath -ldflags "-s -w" -o "$out.tmp.$$" sigs.k8s.io/kwok/cmd/kwok ;;
     *) log "unknown component $name"; return 1 ;;
   esac
-  if [ "$name" = agent ]; then mv "$out.tmp.$$" "$out"; else mv "$BIN/$name.tmp.$$" "$BIN/$name"; fi
+  mv "$out.tmp.$$" "$out"
   log "built $name in $(elapsed $((SECONDS - start))) ($(elapsed $((SECONDS - BUILD_START))) in all)"
 }
 
@@ -171,6 +204,15 @@ kueue_wrapper() {
   printf 'module tpujob.dev/devcluster/kueue\ngo 1.25\nrequire sigs.k8s.io/kueue %s\n' "$KUEUE_VERSION" > "$dir/go.mod"
   printf '//go:build tools\n\npackage tools\n\nimport _ "sigs.k8s.io/kueue/cmd/kueue"\n' > "$dir/tools.go"
   (cd "$dir" && go mod tidy >/dev/null)
+}
+
+# $BIN/NAME -> TARGET, replaced by one rename (a concurrent build or reader never sees it missing), and
+# only when it points elsewhere.
+link() {
+  local target="$1" path="$BIN/$2"
+  [ "$(readlink "$path" 2>/dev/null)" = "$target" ] && return 0
+  ln -sfn "$target" "$path.tmp.$$"
+  mv -Tf "$path.tmp.$$" "$path"
 }
 
 # Kueue's manager (a large build: every integration Kueue ships is linked in), then its CRDs (one
@@ -195,7 +237,7 @@ build_kueue() {
     mv "$KUEUE_BIN/crds.yaml.tmp.$$" "$KUEUE_BIN/crds.yaml"
     install -m 0644 "$config/webhook/manifests.yaml" "$KUEUE_BIN/webhooks.yaml"
   fi
-  ln -sfn "$KUEUE_BIN" "$BIN/kueue"
+  link "$KUEUE_BIN" kueue
 }
 
 # tpujob-init (trainer_image/init): Go's build cache makes an unchanged source a no-op.
@@ -210,17 +252,17 @@ wrapper() {
   case "$1" in
     k8s) k8s_wrapper ;;
     etcd) etcd_wrapper ;;
-    jobset) module_wrapper jobset sigs.k8s.io/jobset "$JOBSET_VERSION" sigs.k8s.io/jobset ;;
-    kwok) module_wrapper kwok sigs.k8s.io/kwok "$KWOK_VERSION" sigs.k8s.io/kwok/cmd/kwok ;;
+    jobset) jobset_wrapper ;;
+    kwok) kwok_wrapper ;;
     kueue) kueue_wrapper ;;
   esac
 }
 missing=()
 for c in $COMPONENTS; do
   case "$c" in
-    kube-apiserver|kube-controller-manager|kube-scheduler) [ -x "$BIN/$c" ] || missing+=(k8s) ;;
-    agent) [ -x "$BIN/agent/in-place-restart-agent" ] || missing+=(jobset) ;;
-    etcd|jobset|kwok) [ -x "$BIN/$c" ] || missing+=("$c") ;;
+    kube-apiserver|kube-controller-manager|kube-scheduler) [ -x "$BIN/$c" ] || adopt "$c" "$BIN/$c" || missing+=(k8s) ;;
+    etcd|kwok) [ -x "$BIN/$c" ] || adopt "$c" "$BIN/$c" || missing+=("$c") ;;
+    jobset|agent) [ -x "$(binary "$c")" ] || missing+=(jobset) ;;
     kueue) [ -x "$KUEUE_BIN/manager" ] || missing+=(kueue) ;;
   esac
 done
@@ -243,11 +285,17 @@ for c in $COMPONENTS; do
     *) build_one "$c" ;;
   esac
 done
-# The JobSet CRD and webhook configurations ship in the JobSet module: copy them next to the binaries.
-if [ ! -f "$BIN/jobset-crd.yaml" ] || [ ! -f "$BIN/jobset-webhooks.yaml" ]; then
-  (cd "$SRC" && go mod download -json "sigs.k8s.io/jobset@${JOBSET_VERSION}" >/dev/null)
+# The JobSet CRD and webhook configurations ship in the JobSet module: copy them next to its binaries.
+if [ ! -f "$JOBSET_BIN/jobset-crd.yaml" ] || [ ! -f "$JOBSET_BIN/jobset-webhooks.yaml" ]; then
+  (cd "$JOBSET_SRC" && go mod download -json "sigs.k8s.io/jobset@${JOBSET_VERSION}" >/dev/null)
   jobset_dir="$GOMODCACHE/sigs.k8s.io/jobset@${JOBSET_VERSION}/config/components"
-  install -m 0644 "$jobset_dir/crd/bases/jobset.x-k8s.io_jobsets.yaml" "$BIN/jobset-crd.yaml"
-  install -m 0644 "$jobset_dir/webhook/manifests.yaml" "$BIN/jobset-webhooks.yaml"
+  install -m 0644 "$jobset_dir/crd/bases/jobset.x-k8s.io_jobsets.yaml" "$JOBSET_BIN/jobset-crd.yaml.tmp.$$"
+  mv "$JOBSET_BIN/jobset-crd.yaml.tmp.$$" "$JOBSET_BIN/jobset-crd.yaml"
+  install -m 0644 "$jobset_dir/webhook/manifests.yaml" "$JOBSET_BIN/jobset-webhooks.yaml.tmp.$$"
+  mv "$JOBSET_BIN/jobset-webhooks.yaml.tmp.$$" "$JOBSET_BIN/jobset-webhooks.yaml"
 fi
+# JobSet's files in the bin folder, under the names its users know (those built, and its yaml always).
+for f in jobset agent jobset-crd.yaml jobset-webhooks.yaml; do
+  if [ -e "$JOBSET_BIN/$f" ]; then link "$JOBSET_BIN/$f" "$f"; fi
+done
 echo "$BIN"
