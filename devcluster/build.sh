@@ -16,9 +16,9 @@ set -euo pipefail
 
 K8S_VERSION="${K8S_VERSION:-v1.35.4}"
 ETCD_VERSION="${ETCD_VERSION:-v3.6.5}"
-JOBSET_VERSION="${JOBSET_VERSION:-v0.11.0}"
+JOBSET_VERSION="${JOBSET_VERSION:-v0.12.0}"
 KWOK_VERSION="${KWOK_VERSION:-v0.7.0}"
-KUEUE_VERSION="${KUEUE_VERSION:-v0.17.0}"
+KUEUE_VERSION="${KUEUE_VERSION:-v0.19.0}"
 # What a devcluster runs without Kueue (`COMPONENTS=devcluster`, as `make demo` asks); the default adds Kueue.
 DEVCLUSTER="etcd kube-apiserver kube-controller-manager kube-scheduler jobset agent init kwok"
 COMPONENTS="${COMPONENTS:-$DEVCLUSTER kueue}"

@@ -1,7 +1,8 @@
 """JobSet's InPlaceRestart on the devcluster's real engine (no operator here): the real JobSet
-controller (v0.11.0, its InPlaceRestart gate on), the real in-place-restart agent built from the
-same module, the real apiserver with Kubernetes 1.35's container restart gates, and the pod runner
-restarting containers in place as the kubelet does.
+controller (devcluster/build.sh's JOBSET_VERSION, its InPlaceRestart gate on), the real in-place-restart
+agent built from the same module (in its main container mode: it runs WORKER_COMMAND itself), the real
+apiserver with Kubernetes 1.35's container restart gates, and the pod runner restarting containers in
+place as the kubelet does.
 
 A hand-written JobSet of 2 replicatedJobs x 1 pod whose container is the agent; its WORKER_COMMAND
 fails once on slice s0 (a marker in a memory-backed emptyDir says whether it ran before) and
@@ -96,8 +97,9 @@ def agent_rbac(rbac: client.RbacAuthorizationV1Api, core: client.CoreV1Api, name
 
 def pod_spec(shape: str, service_account: str) -> dict[str, Any]:
     """The pod template. `on-failure`: JobSet v0.11.0's documented shape (pod restartPolicy
-    OnFailure, any Kubernetes). `restart-rules`: Kubernetes 1.35's, a container restart rule whose
-    RestartAllContainers action restarts the pod's containers in place, with no crash-loop back-off."""
+    OnFailure, any Kubernetes; v0.12.0's agent still serves it). `restart-rules`: Kubernetes 1.35's, a
+    container restart rule whose RestartAllContainers action restarts the pod's containers in place,
+    with no crash-loop back-off."""
     field = {"fieldRef": {"fieldPath": f"metadata.labels['{AGENT}/replicatedjob-name']"}}
     container: dict[str, Any] = {
         "name": "worker",
@@ -111,6 +113,7 @@ def pod_spec(shape: str, service_account: str) -> dict[str, Any]:
             {"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
             {"name": "IN_PLACE_RESTART_EXIT_CODE", "value": str(RESTART_EXIT_CODE)},
             {"name": "WORKER_COMMAND", "value": WORKER},
+            {"name": "SHELL", "value": "/bin/sh"},  # v0.12 runs $SHELL (else bash); the operator sets it
             {"name": "SLICE", "valueFrom": field},
         ],
         "resources": {"requests": {TPU_RESOURCE: 4}, "limits": {TPU_RESOURCE: 4}},

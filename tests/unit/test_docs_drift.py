@@ -283,6 +283,11 @@ def test_the_compatibility_page_names_the_versions_the_repository_pins() -> None
         assert component in rows, f"docs/compatibility.md has no row for {component}"
         for version in versions:
             assert version in rows[component], f"docs/compatibility.md, {component}: expected {version}"
+    # The README says which versions a GKE cluster needs: the ones the devcluster runs.
+    readme = (ROOT / "README.md").read_text()
+    for component in ("JobSet", "Kueue"):
+        version = _shell_default("devcluster/build.sh", f"{component.upper()}_VERSION")
+        assert f"{component} {version}" in readme, f"README.md: expected {component} {version}"
     # The trainer image installs the JAX it is tested with.
     assert (
         f'"jax[tpu]=={_pin("trainer_image/pyproject.toml", "jax")}"'

@@ -198,6 +198,7 @@ def test_in_place_wraps_the_images_entrypoint_in_jobsets_agent(framework):
     assert env["WORKER_COMMAND"] == f"trap : TERM INT; {command}; exit $?"
     assert worker["command"] == ["tpujob-init", "in-place-restart-agent"] and "args" not in worker
     assert env["IN_PLACE_RESTART_EXIT_CODE"] == "86"
+    assert env["SHELL"] == "/bin/sh"  # JobSet v0.12's agent runs $SHELL, else bash (none in some images)
     # What the agent's worker sees: the same env as a Recreate attempt's worker, nothing left out.
     assert [e for e in worker["env"] if e["name"] in {p["name"] for p in plain["env"]}] == plain["env"]
     assert in_place["spec"]["failurePolicy"] == {"restartStrategy": "InPlaceRestart", "maxRestarts": 3}

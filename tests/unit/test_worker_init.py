@@ -1,9 +1,10 @@
 """tpujob-init (trainer_image/init), the InPlace worker container's PID 1, as real processes.
 
 STAND_IN_AGENT stands in for JobSet's in-place-restart agent (the real one needs an apiserver and its
-JobSet: tests/e2e/test_in_place.py runs it). It does with signals what the v0.11 agent does: it runs
-WORKER_COMMAND with `sh -c`, exits with the worker's code, and on SIGTERM or SIGINT kills its shell
-(exec.CommandContext's SIGKILL) and exits with 128+N at once.
+JobSet: tests/e2e/test_in_place.py runs it). It does with signals what the agent does (v0.11 and v0.12,
+whose SHELL the operator sets to /bin/sh): it runs WORKER_COMMAND with `sh -c`, exits with the worker's
+code, and on SIGTERM or SIGINT kills its shell (exec.CommandContext's SIGKILL) and exits with 128+N at
+once.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 // tpujob-init: the worker container's PID 1 on the InPlace rung, in front of JobSet's in-place-restart
 // agent (`tpujob-init in-place-restart-agent`).
 //
-// JobSet v0.11's agent ends its worker at once (SIGKILL) when it gets SIGTERM, so a preempted or
+// JobSet's agent (v0.11, v0.12) ends its worker at once (SIGKILL) when it gets SIGTERM, so a preempted or
 // drained worker would lose its SIGTERM save. The runtime signals PID 1 only, so under this PID 1 the
 // agent never sees SIGTERM or SIGINT: they go to every other process in the container (the worker,
 // whose shell traps them and waits, see the operator's jobset.worker_command). The worker saves and

@@ -53,16 +53,20 @@ TERMINATION_GRACE_SECONDS = 120
 POD_SECURITY_CONTEXT: dict[str, Any] = {"runAsNonRoot": True, "seccompProfile": {"type": "RuntimeDefault"}}
 CONTAINER_SECURITY_CONTEXT: dict[str, Any] = {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}}
 
-# spec.restart.strategy InPlace: JobSet's InPlaceRestart (KEP-467, JobSet v0.11). Its agent wraps the worker:
-# it waits at the JobSet's barrier, runs WORKER_COMMAND, and exits with the worker's code, or with
-# IN_PLACE_RESTART_EXIT_CODE when another pod's failure asks every worker to restart. The kubelet then
-# restarts the container on its node (container restartPolicyRules, Kubernetes' ContainerRestartRules).
+# spec.restart.strategy InPlace: JobSet's InPlaceRestart (KEP-467, JobSet v0.11 and later). Its agent wraps the
+# worker (v0.12's "main container mode"): it waits at the JobSet's barrier, runs WORKER_COMMAND with $SHELL -c,
+# and exits with the worker's code, or with IN_PLACE_RESTART_EXIT_CODE when another pod's failure asks every
+# worker to restart. The kubelet then restarts the container on its node (container restartPolicyRules,
+# Kubernetes' ContainerRestartRules).
 IN_PLACE_AGENT = "in-place-restart-agent"  # on the trainer image's PATH (docs/concepts/restart-ladder.md)
 # The container's PID 1 in front of the agent (trainer_image/init): the agent ends its worker at once on
 # SIGTERM; under tpujob-init the worker gets the SIGTERM instead, makes its save, and the agent exits with
 # the worker's code.
 WORKER_INIT = "tpujob-init"
 IN_PLACE_RESTART_EXIT_CODE = 86  # no trainer exit code (contract.ExitCode) and no 128+signal
+# The shell the agent runs WORKER_COMMAND with: v0.11 ran /bin/sh; v0.12 runs $SHELL, else bash, and exits
+# at once where an image has no bash. WORKER_COMMAND is POSIX sh.
+WORKER_SHELL = "/bin/sh"
 JOBSET_NAME_ANNOTATION = "jobset.sigs.k8s.io/jobset-name"  # the JobSet controller sets it on every pod
 IN_PLACE_RESTART_ATTEMPT_ANNOTATION = "jobset.sigs.k8s.io/in-place-restart-attempt"  # the agent sets it on its pod
 IN_PLACE_STRATEGY = "InPlaceRestart"  # JobSet's failurePolicy.restartStrategy
@@ -326,7 +330,7 @@ def _with_local_tier(local: LocalCheckpointSpec, container: dict[str, Any], pod_
 
 
 def worker_command(argv: list[str]) -> str:
-    """The agent's WORKER_COMMAND (run with `sh -c`). Not a simple command, which the shell would exec:
+    """The agent's WORKER_COMMAND (run with `sh -c`, WORKER_SHELL). Not a simple command, which the shell would exec:
     the agent reports a worker killed by a signal as exit 255, the shell (waiting for it) as 128+N,
     what a container runtime reports and restarts.py classifies. The shell traps SIGTERM and SIGINT
     (tpujob-init sends them to every process but the agent), so it waits for the worker's save and
@@ -357,6 +361,7 @@ def _in_place(
         {"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
         _env("IN_PLACE_RESTART_EXIT_CODE", IN_PLACE_RESTART_EXIT_CODE),
         _env("WORKER_COMMAND", worker_command(worker)),
+        _env("SHELL", WORKER_SHELL),
     ]
     container["restartPolicy"] = "Never"
     container["restartPolicyRules"] = [
