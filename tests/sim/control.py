@@ -8,12 +8,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from tpujob_contract import LABEL_ATTEMPT
+from tpujob_contract import LABEL_ATTEMPT, LABEL_UID
 from tpujob_operator import api, elastic
 from tpujob_operator import observe as observe_module
 from tpujob_operator.apply import dump
 from tpujob_operator.facts import Actions, Observed
-from tpujob_operator.jobset import build_jobset, jobset_facts
+from tpujob_operator.jobset import build_jobset, jobset_facts, queue_name, workload_admission
 from tpujob_operator.kube import FAILED_ATTEMPT_GRACE_SECONDS
 from tpujob_operator.nodes import node_facts
 from tpujob_operator.reconcile import reconcile
@@ -48,7 +48,7 @@ class Operator:
         world = self.world
         if world.training_job is None:
             return
-        if not world.changed and world.now < self.next_at:
+        if not world.changed and not world.pods_seen_changed() and world.now < self.next_at:
             return
         world.changed = False
         self.reconcile()
@@ -57,14 +57,15 @@ class Operator:
         world = self.world
         uid = tj.metadata.get("uid")
         attempt = tj.status.attempt
-        pods = [p.body() for p in world.live_pods() if p.uid == uid]
+        pods = [p for p in world.pods_seen() if p["metadata"]["labels"][LABEL_UID] == uid]
         bound = {p["spec"].get("nodeName") for p in pods} - {None}
         node_bodies = {n.name: world.node_body(n) for n in world.nodes.values() if n.exists and n.name in bound}
         attempt_pods = [p for p in pods if p["metadata"]["labels"][LABEL_ATTEMPT] == str(attempt)]
         facts = []
         for js in world.live_jobsets():
             current = js.attempt == attempt and js.uid == uid
-            facts.append(jobset_facts(js.body(), attempt_pods if current else []))
+            admission = workload_admission(js.workload()) if js.queued else (None, None)
+            facts.append(jobset_facts(js.body(), attempt_pods if current else [], None, admission))
         outage = world.now < world.storage.operator_outage_until
         nodes = {  # a partitioned kubelet stops renewing its Lease
             name: replace(node_facts(body), renewed=at(world.now) if world.nodes[name].reachable else at(0))
@@ -79,6 +80,7 @@ class Operator:
             storage_error="storage unreachable (simulated outage)" if outage else None,
             earlier_pods=_earlier_pods(pods, attempt, node_bodies),
             nodes=nodes,
+            queue_name=queue_name(tj, None),
         )
 
     def _spare_pools(self, tj: api.TrainingJob, attempt_pods: list[dict[str, Any]]) -> int | None:
@@ -129,8 +131,9 @@ class Operator:
         calls += [lambda p=pod, n=node: world.fail_pod_on_gone_node(p, n) for pod, node in actions.fail_on_gone_nodes]
         calls += [lambda p=pod: world.delete_ended_pod(p) for pod in actions.remove_from_gone_nodes]
         if actions.create_attempt is not None:
+            queue = queue_name(tj, None)
             manifest = build_jobset(
-                tj, actions.create_attempt, actions.resume_step, None, "Restart", actions.create_slices
+                tj, actions.create_attempt, actions.resume_step, queue, "Restart", actions.create_slices
             )
             calls.append(lambda: world.create_jobset(manifest))
         if actions.set_suspend is not None:

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from hypothesis import strategies as st
+from tpujob_contract import QUEUE_LABEL
 from tpujob_operator import api
 
 from .control import Operator
@@ -24,6 +25,7 @@ Kind = Literal[
     "auto_repair",
     "hang",
     "other_tenant",
+    "kueue_preempt",
     "storage_outage",
     "workers_storage_outage",
     "suspend",
@@ -57,6 +59,8 @@ configs = st.builds(
     max_restarts=st.integers(0, 4),
     repair_seconds=st.sampled_from([5, 30, 300]),
     elastic=st.booleans(),
+    pod_watch_lag_seconds=st.sampled_from([0, 0, 1, 3]),
+    kueue=st.booleans(),
 )
 
 
@@ -64,7 +68,13 @@ def training_job(config: Config) -> dict[str, Any]:
     return {
         "apiVersion": "tpujob.dev/v1alpha1",
         "kind": "TrainingJob",
-        "metadata": {"name": "llama", "namespace": "ml", "uid": "uid-1", "generation": 1},
+        "metadata": {
+            "name": "llama",
+            "namespace": "ml",
+            "uid": "uid-1",
+            "generation": 1,
+            "labels": {QUEUE_LABEL: "team-a"} if config.kueue else {},
+        },
         "spec": {
             "image": "trainer:1",
             "args": ["--steps", str(config.final_step)],
@@ -95,6 +105,8 @@ def apply(world: World, operator: Operator, event: Event) -> None:
         getattr(world, event.kind)()
     elif event.kind == "other_tenant":
         world.other_tenant(event.arg % (world.config.slices + world.config.spare_pools), 10 + 5 * event.arg)
+    elif event.kind == "kueue_preempt":
+        world.kueue_preempt(event.arg % 10)
     elif event.kind == "storage_outage":
         world.storage_outage(5 * event.arg)
     elif event.kind == "workers_storage_outage":

@@ -32,7 +32,7 @@ from datetime import UTC, datetime, timedelta
 from typing import Any, Literal
 
 import tpujob_contract as contract
-from tpujob_contract import ANNOTATION_RESUME_STEP, JOB_INDEX_ANNOTATION, LABEL_ATTEMPT, LABEL_UID
+from tpujob_contract import ANNOTATION_RESUME_STEP, JOB_INDEX_ANNOTATION, LABEL_ATTEMPT, LABEL_UID, QUEUE_LABEL
 from tpujob_operator.jobset import TERMINATION_GRACE_SECONDS
 
 T0 = datetime(2026, 1, 1, tzinfo=UTC)
@@ -154,7 +154,11 @@ class JobSet:
     created: int
     run: int = 0
     state: str = "Active"  # Active, Completed, Failed
+    ended_at: int = 0  # when it became Completed or Failed
     resumed_at: int | None = None
+    admitted_at: int | None = None  # Kueue admitted its Workload (a queued JobSet)
+    evicted: str | None = None  # why Kueue evicted its Workload
+    held_until: int = 0  # Kueue admits it no sooner (the workload that preempted it holds the quota)
 
     @property
     def name(self) -> str:
@@ -177,6 +181,25 @@ class JobSet:
         return sum(int(rj.get("replicas", 1)) for rj in self.manifest["spec"]["replicatedJobs"])
 
     @property
+    def queued(self) -> bool:
+        return QUEUE_LABEL in self.manifest["metadata"]["labels"]
+
+    @property
+    def waits_for_old_pods(self) -> bool:
+        """Its Jobs' podReplacementPolicy Failed: a slice's pod is replaced only once the old one has ended."""
+        template = self.manifest["spec"]["replicatedJobs"][0]["template"]["spec"]
+        return template.get("podReplacementPolicy") == "Failed"
+
+    def workload(self) -> dict[str, Any]:
+        """Its Kueue Workload as the apiserver returns it (the conditions jobset.workload_admission reads)."""
+        conditions: list[dict[str, Any]] = []
+        if self.admitted_at is not None:
+            conditions.append({"type": "Admitted", "status": "True", "lastTransitionTime": stamp(self.admitted_at)})
+        elif self.evicted is not None:
+            conditions.append({"type": "Evicted", "status": "True", "reason": "Preempted", "message": self.evicted})
+        return {"metadata": {"name": f"jobset-{self.name}"}, "status": {"conditions": conditions}}
+
+    @property
     def pin(self) -> int | None:
         value = int(self.manifest["metadata"].get("annotations", {}).get(ANNOTATION_RESUME_STEP, "-1"))
         return None if value < 0 else value
@@ -185,7 +208,15 @@ class JobSet:
         metadata = {**self.manifest["metadata"], "creationTimestamp": stamp(self.created)}
         conditions: list[dict[str, Any]] = []
         if self.state in ("Completed", "Failed"):
-            conditions.append({"type": self.state, "status": "True", "reason": self.state, "message": ""})
+            conditions.append(
+                {
+                    "type": self.state,
+                    "status": "True",
+                    "reason": self.state,
+                    "message": "",
+                    "lastTransitionTime": stamp(self.ended_at),
+                }
+            )
         if self.resumed_at is not None:
             conditions.append({"type": "Suspended", "status": "False", "lastTransitionTime": stamp(self.resumed_at)})
         elif self.suspended:
@@ -254,6 +285,8 @@ class Config:
     grow_after_seconds: int = 30  # the least spec.elastic.growAfterSeconds allows
     auto_repair_seconds: int = 600  # GKE deletes a node that stays NotReady this long
     pod_gc_seconds: int = 40  # the pod GC marks pods of a deleted node Failed after its quarantine
+    pod_watch_lag_seconds: int = 0  # the operator's pod cache shows the pods as they were this long ago
+    kueue: bool = False  # the job's JobSets go through a Kueue LocalQueue
     storage_wait_seconds: int = 600  # TPUJOB_STORAGE_WAIT_SECONDS' default
     trainer_gives_up_on_storage: bool = True  # False: the trainer before issue 30's item 7 (python -m tests.sim.hunt)
 
@@ -283,6 +316,8 @@ class Truth:
 class World:
     def __init__(self, config: Config, training_job: dict[str, Any]) -> None:
         self.config = config
+        self.version = 0  # counts changes (`changed` set)
+        self._changed = True
         self.now = 0
         self._serial = 0
         self.nodes: dict[str, Node] = {}
@@ -295,7 +330,8 @@ class World:
         self.training_job: dict[str, Any] | None = training_job
         self.training_job_name: str = training_job["metadata"]["name"]
         self.truth = Truth()
-        self.changed = True  # something the operator watches changed (a watch event is due)
+        # The pods' bodies at the end of each second, with the world's version then (unchanged: not rebuilt).
+        self.pod_history: dict[int, tuple[int, list[dict[str, Any]]]] = {}
         self._later: list[tuple[int, Callable[[], None]]] = []  # what someone does at a given second
 
     # -- the objects -------------------------------------------------------------------------------
@@ -445,7 +481,7 @@ class World:
             other.key
             for other in self.groups.values()
             if other.key != group.key
-            and other.attempt < group.attempt
+            and (other.attempt < group.attempt or (other.key[0] == group.key[0] and other.key[1] < group.key[1]))
             and all(self.pods[n].process_alive for n in other.pods)
         ]
         if alive:
@@ -528,6 +564,7 @@ class World:
         for action in due:
             action()
         self._nodes()
+        self._kueue()
         self._jobset_controller()
         self._scheduler()
         self._kubelets()
@@ -535,6 +572,37 @@ class World:
         self._trainers_give_up_on_storage()
         for group in list(self.groups.values()):
             self._train(group)
+        if self.config.pod_watch_lag_seconds:
+            last = self.pod_history.get(self.now - 1)
+            if last is None or last[0] != self.version:
+                last = (self.version, [p.body() for p in self.live_pods()])
+            self.pod_history[self.now] = last
+            self.pod_history.pop(self.now - self.config.pod_watch_lag_seconds - 2, None)
+
+    @property
+    def changed(self) -> bool:
+        """Something the operator watches changed (a watch event is due); setting it counts a version."""
+        return self._changed
+
+    @changed.setter
+    def changed(self, value: bool) -> None:
+        self.version += int(value)
+        self._changed = value
+
+    def pods_seen(self) -> list[dict[str, Any]]:
+        """The pods as the operator's watch has delivered them (its lag behind the apiserver)."""
+        lag = self.config.pod_watch_lag_seconds
+        if not lag:
+            return [p.body() for p in self.live_pods()]
+        return self.pod_history.get(max(0, self.now - lag), (0, []))[1]
+
+    def pods_seen_changed(self) -> bool:
+        """Whether the lagging pod watch delivers news this second (a watch event)."""
+        lag = self.config.pod_watch_lag_seconds
+        if not lag:
+            return False
+        seen, before = self.pod_history.get(self.now - lag), self.pod_history.get(self.now - lag - 1)
+        return seen is not None and (before is None or seen[0] != before[0])
 
     def _nodes(self) -> None:
         """The pod GC marks the pods of a deleted node Failed after its quarantine (its delete that follows
@@ -564,14 +632,15 @@ class World:
                 continue
             run = [p for p in pods if p.run == js.run]
             if any(p.phase == "Failed" for p in run) or self._deleted_unended(js):
-                js.state = "Failed"  # failurePolicy maxRestarts 0: the Jobs' other pods get their own grace
+                js.state, js.ended_at = "Failed", self.now  # failurePolicy maxRestarts 0: the Jobs' other pods
+                # get their own grace
                 for pod in run:
                     if not pod.ended():
                         self._delete_pod(pod, TERMINATION_GRACE_SECONDS)
                 self.changed = True
                 continue
             if len(run) == js.slices and all(p.phase == "Succeeded" for p in run):
-                js.state = "Completed"
+                js.state, js.ended_at = "Completed", self.now
                 self.changed = True
                 continue
             have = {p.slice for p in run}
@@ -579,6 +648,8 @@ class World:
                 if index not in have and not any(
                     p.jobset == js.name and p.slice == index and p.run == js.run for p in self.pods.values()
                 ):
+                    if js.waits_for_old_pods and any(p.slice == index and not p.ended() for p in pods):
+                        continue  # the previous run's pod of this slice still terminates
                     self._serial += 1
                     name = f"{js.name}-slice-{index}-0-{self._serial}"
                     self.pods[name] = Pod(name, js.name, js.attempt, js.uid, index, js.run, self.now)
@@ -586,6 +657,17 @@ class World:
                     group = self.groups.setdefault(key, Group(key, js.attempt, js.uid, []))
                     group.pods.append(name)
                     self.changed = True
+
+    def _kueue(self) -> None:
+        """Kueue admits a queued JobSet (resumes it) once no workload holds its quota and, after an
+        eviction, once the JobSet has stopped (no pod of it left that is not being deleted: Job
+        status.active); the operator never resumes one."""
+        for js in self.jobsets.values():
+            waiting = js.queued and js.state == "Active" and js.suspended and js.admitted_at is None
+            stopped = all(p.ended() or p.deleting_until is not None for p in self._pods_of(js))
+            if waiting and stopped and self.now >= js.held_until:
+                js.admitted_at, js.evicted = self.now, None
+                self.set_suspend(js.name, False)
 
     def _deleted_unended(self, js: JobSet) -> bool:
         """The Job controller counts a pod of its own that was deleted before it ended as failed (an
@@ -701,6 +783,18 @@ class World:
             self._blame(pod, "infrastructure", "evicted by a drain")
             pod.disruption = "EvictionByEvictionAPI"
             self._delete_pod(pod, TERMINATION_GRACE_SECONDS)
+
+    def kueue_preempt(self, seconds: int) -> None:
+        """A higher-priority workload takes the queue's quota: Kueue evicts the admitted JobSet (suspends
+        it: its workers get their grace to save) and admits it again once that workload is done."""
+        for js in self.jobsets.values():
+            if js.queued and js.state == "Active" and js.admitted_at is not None:
+                for pod in self._pods_of(js):
+                    if pod.process_alive:
+                        self._blame(pod, "infrastructure", "preempted by Kueue")
+                js.admitted_at, js.held_until = None, self.now + seconds
+                js.evicted = "Preempted to accommodate a workload (UID: w-2) due to prioritization in the ClusterQueue"
+                self.set_suspend(js.name, True)
 
     def node_shutdown(self, index: int) -> None:
         """Graceful node shutdown (spot reclaim, maintenance): the kubelet ends the pod, the node goes."""

@@ -65,7 +65,9 @@ def test_a_failed_jobset_whose_pods_are_all_gone_is_a_deleted_pods_not_the_jobs(
     failure = classify_jobset_failure(jobset)
     assert (failure.kind, failure.reason, failure.time) == ("Preemption", WORKER_POD_DELETED, T0)
     assert not counts_against_budget(failure.kind, RestartSpec())
-    assert pod_news_wait(jobset, failure, T0) is None
+    # ... once the pod watch had its time to show a crashed pod (which stays in the API)
+    assert pod_news_wait(jobset, failure, T0 + timedelta(seconds=1)) == POD_NEWS_RECHECK_SECONDS
+    assert pod_news_wait(jobset, failure, T0 + timedelta(seconds=FAILED_JOBSET_POD_WAIT_SECONDS + 1)) is None
 
 
 def test_a_failed_jobset_beside_a_running_pod_waits_a_bounded_while_for_the_pods_news():

@@ -274,6 +274,10 @@ def build_jobset(
         "completions": shape.hosts,
         "completionMode": "Indexed",
         "backoffLimit": 0,
+        # A worker is replaced (after a queue's suspension and resumption) only once the old one has ended:
+        # by default the Job controller starts the new pod while the old one still runs its SIGTERM save,
+        # and two trainers of one attempt would write its run directory at once.
+        "podReplacementPolicy": "Failed",
         "template": {"metadata": {"labels": dict(labels)}, "spec": pod_spec},
     }
     # The operator, not JobSet, restarts a Recreate: a restart must pin the latest committed step
@@ -369,7 +373,6 @@ def _in_place(
     ]
     pod_spec["automountServiceAccountToken"] = True  # the agent reads its JobSet and annotates its pod
     job_spec["backoffLimit"] = JOB_BACKOFF_LIMIT_MAX
-    job_spec["podReplacementPolicy"] = "Failed"  # a replacement starts once the old pod has let go of its node
     return {"restartStrategy": IN_PLACE_STRATEGY, "maxRestarts": tj.spec.restart.in_place.max_restarts}
 
 

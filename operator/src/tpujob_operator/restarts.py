@@ -59,7 +59,8 @@ NODE_PRESSURE_EVICTION = "Evicted"  # the pod's status.reason after the kubelet'
 ABORTED = 134  # 128 + SIGABRT
 # Why a failed JobSet none of whose pods is left failed (Preemption: the infrastructure's by default).
 WORKER_POD_DELETED = "WorkerPodDeleted"
-# How long a failed JobSet that no pod explains waits for its running pods' news, and how often it looks.
+# How long a failed JobSet that no pod explains waits for its pods' news (the pod watch's lag), how often
+# it looks.
 FAILED_JOBSET_POD_WAIT_SECONDS = 30.0
 POD_NEWS_RECHECK_SECONDS = 2.0
 # What JAX's coordination service (XLA's distributed runtime) says when it aborts a healthy process.
@@ -231,12 +232,12 @@ def _running(pod: PodFacts) -> bool:
 
 
 def pod_news_wait(jobset: JobSetFacts, failure: Failure, now: datetime) -> float | None:
-    """Seconds to hold the decision on a failed JobSet that no pod explains while one of its pods still
-    shows running (the pod watch may lag the JobSet's, and JobSet deletes the other pods only after it
-    failed): a crash's Failed pod, or the deletion of them all, is due. None: decide now."""
-    if jobset.in_place or jobset.state != "Failed" or jobset.ended_at is None or failure.time is not None:
-        return None  # an in-place round's pods run on; a dated failure is a pod's
-    if failure.kind != "Unknown" or not any(_running(p) for p in jobset.pods):
+    """Seconds to hold the decision on a failed JobSet that no pod explains (WorkerPodDeleted, or Unknown
+    while a pod still shows running): the pod watch may lag the JobSet's, and a crashed pod, which
+    stays in the API, shows up within that lag; a deleted one never does. None: decide now."""
+    if jobset.in_place or jobset.state != "Failed" or jobset.ended_at is None:
+        return None  # an in-place round's pods run on
+    if failure.kind not in ("Unknown", "Preemption") or any(classify_pod(p) for p in jobset.pods):
         return None
     left = FAILED_JOBSET_POD_WAIT_SECONDS - (now - jobset.ended_at).total_seconds()
     return min(left, POD_NEWS_RECHECK_SECONDS) if left > 0 else None
