@@ -92,7 +92,7 @@ def condition_types_in_source(source: str) -> set[str]:
 
 
 def operator_condition_types() -> set[str]:
-    found = set(status.CONDITION_TYPES)  # one per phase (status.with_phase)
+    found: set[str] = set(status.CONDITION_TYPES)  # one per phase (status.with_phase)
     for path in sorted(OPERATOR.rglob("*.py")):
         found |= condition_types_in_source(path.read_text())
     return found
