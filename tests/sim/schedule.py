@@ -28,6 +28,7 @@ Kind = Literal[
     "kueue_preempt",
     "storage_outage",
     "workers_storage_outage",
+    "workers_denied",
     "suspend",
     "unsuspend",
     "suspend_briefly",
@@ -109,6 +110,8 @@ def apply(world: World, operator: Operator, event: Event) -> None:
         world.kueue_preempt(event.arg % 10)
     elif event.kind == "storage_outage":
         world.storage_outage(5 * event.arg)
+    elif event.kind == "workers_denied":
+        world.workers_denied(1 + event.arg)
     elif event.kind == "workers_storage_outage":
         world.workers_storage_outage(5 * event.arg)
     elif event.kind in ("suspend", "unsuspend"):

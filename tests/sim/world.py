@@ -257,6 +257,7 @@ class Storage:
     progress: contract.ProgressRecord | None = None
     operator_outage_until: int = -1
     workers_outage: tuple[int, int] | None = None  # (from, until): the workers' writes hang
+    workers_denied_until: int = -1  # storage answers the workers' identity 403 (an IAM binding removed)
 
     def blind_for_workers(self, now: int) -> bool:
         return self.workers_outage is not None and self.workers_outage[0] <= now < self.workers_outage[1]
@@ -570,6 +571,7 @@ class World:
         self._kubelets()
         self._commit_saves()
         self._trainers_give_up_on_storage()
+        self._trainers_denied()
         for group in list(self.groups.values()):
             self._train(group)
         if self.config.pod_watch_lag_seconds:
@@ -753,6 +755,17 @@ class World:
                     self._blame(pod, "infrastructure", "storage lost for the workers")
                     self._process_exits(pod, 3)
 
+    def _trainers_denied(self) -> None:
+        """Storage refuses the workers' identity: a starting trainer's probe, or a training one's next
+        write, gets 403, and every process exits 5 (no restart can fix it)."""
+        if self.now >= self.storage.workers_denied_until:
+            return
+        for group in self.groups.values():
+            for pod in (self.pods[n] for n in group.pods):
+                if pod.process_alive and pod.running_at is not None:
+                    self._blame(pod, "infrastructure", "storage refused the workers (403)")
+                    self._process_exits(pod, int(contract.ExitCode.STORAGE_PERMISSION_DENIED))
+
     # -- faults ------------------------------------------------------------------------------------
 
     def _target(self, index: int) -> Pod | None:
@@ -881,6 +894,10 @@ class World:
             if group.started is not None and not group.done and seconds > 0:
                 for pod in (self.pods[n] for n in group.pods if self.pods[n].process_alive):
                     self._blame(pod, "infrastructure", "storage lost for the workers", "stalls")
+
+    def workers_denied(self, seconds: int) -> None:
+        """The workers' identity loses its grant on the bucket for a while (the operator's keeps it)."""
+        self.storage.workers_denied_until = self.now + seconds
 
     def set_job_suspend(self, suspend: bool) -> None:
         if self.training_job is not None and bool(self.training_job["spec"].get("suspend")) != suspend:
