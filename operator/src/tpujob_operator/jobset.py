@@ -516,7 +516,12 @@ def jobset_facts(
         queue_reason=admission[1],
         in_place=in_place,
         in_place_round=in_place_round(jobset, pod_list) if in_place else 0,
+        pods_in_place_round=pods_in_place_round(_current_round(jobset), pod_list) if in_place else 0,
     )
+
+
+def _current_round(jobset: dict[str, Any]) -> int:
+    return int((jobset.get("status") or {}).get("currentInPlaceRestartAttempt") or 0)
 
 
 def in_place_round(jobset: dict[str, Any], pods: tuple[PodFacts, ...]) -> int:
@@ -524,10 +529,16 @@ def in_place_round(jobset: dict[str, Any], pods: tuple[PodFacts, ...]) -> int:
     status = jobset.get("status") or {}
     current, previous = status.get("currentInPlaceRestartAttempt"), status.get("previousInPlaceRestartAttempt")
     rounds = [int(current or 0), int(previous) + 1 if previous is not None else 0]
+    return max(*rounds, pods_in_place_round(int(current or 0), pods))
+
+
+def pods_in_place_round(current: int, pods: tuple[PodFacts, ...]) -> int:
+    """The highest in-place round the pods themselves show begun (`current`: the JobSet's current round)."""
+    rounds = [0]
     for pod in pods:
         at = pod.in_place_attempt
         if at is not None:
             rounds.append(at + 1 if pod.phase == "Failed" else at)
         elif pod.phase == "Failed":  # failed before its agent annotated it
-            rounds.append(int(current or 0) + 1)
+            rounds.append(current + 1)
     return max(rounds)
