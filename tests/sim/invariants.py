@@ -81,7 +81,9 @@ def _charged(world: World, decision: Decision) -> list[str]:
     runs = sorted(run for js, run in world.truth.faults if js == name)
     if not runs:
         return []  # a failure the world did not inject (a timeout): no truth to hold it to
-    causes = _causes(world.truth.faults[(name, runs[-1])])
+    # An in-place round keeps the pods and their nodes: a node fault of a round before is still evidence.
+    earlier = [f for run in runs[:-1] for f in world.truth.faults[(name, run)]] if world.config.in_place else []
+    causes = _causes(world.truth.faults[(name, runs[-1])], earlier)
     what = " or ".join(f"{f.what} ({f.cause})" for f in causes)
     if all(f.cause == "job" for f in causes) and not failure.counted:
         return [f"4. t={decision.time}: {what} recorded as {failure.kind}/{failure.reason}, not counted"]
@@ -90,14 +92,16 @@ def _charged(world: World, decision: Decision) -> list[str]:
     return []
 
 
-def _causes(faults: list[Fault]) -> list[Fault]:
+def _causes(faults: list[Fault], earlier: list[Fault]) -> list[Fault]:
     """What a failure may fairly be put down to: the first fault that ended a process (else the first
     that stalled it, else the first node signal), and every fault of the other side before it or within
     the nodes' evidence window after it (a crash beside a node that went away or unreachable may be
-    either's: the operator gives the job the benefit of the doubt)."""
+    either's: the operator gives the job the benefit of the doubt); of `earlier` runs' faults, those
+    within the window before it."""
     first = min(faults, key=lambda f: (EFFECT_ORDER.index(f.effect), f.time))
     latest = first.time + NODE_FAILURE_WINDOW_SECONDS
-    return [first, *(f for f in faults if f.cause != first.cause and f.time <= latest)]
+    recent = [f for f in earlier if f.time >= first.time - NODE_FAILURE_WINDOW_SECONDS]
+    return [first, *(f for f in [*recent, *faults] if f.cause != first.cause and f.time <= latest)]
 
 
 def _resizes_bounded(world: World, operator: Operator) -> list[str]:

@@ -3,7 +3,7 @@ the run of one schedule through the world and the operator."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Literal
 
 from hypothesis import strategies as st
@@ -52,7 +52,7 @@ class Event:
 
 events = st.builds(Event, st.sampled_from(KINDS), st.integers(0, 60), st.integers(0, 40))
 schedules = st.lists(events, max_size=14)
-configs = st.builds(
+_configs = st.builds(
     Config,
     save_seconds=st.integers(1, 12),
     backoff_seconds=st.sampled_from([0, 0, 5]),
@@ -62,7 +62,10 @@ configs = st.builds(
     elastic=st.booleans(),
     pod_watch_lag_seconds=st.sampled_from([0, 0, 1, 3]),
     kueue=st.booleans(),
+    in_place=st.sampled_from([False, False, True]),
 )
+# The InPlace rung with a lagging pod watch is not modelled yet (docs/concepts/invariants.md).
+configs = _configs.map(lambda c: replace(c, pod_watch_lag_seconds=0) if c.in_place else c)
 
 
 def training_job(config: Config) -> dict[str, Any]:
@@ -85,6 +88,11 @@ def training_job(config: Config) -> dict[str, Any]:
                 "maxRestarts": config.max_restarts,
                 "backoffSeconds": config.backoff_seconds,
                 "hangTimeoutSeconds": config.hang_timeout_seconds,
+                **(
+                    {"strategy": "InPlace", "inPlace": {"maxRestarts": config.in_place_max_restarts}}
+                    if config.in_place
+                    else {}
+                ),
             },
             **({"elastic": _elastic(config)} if config.elastic else {}),
         },

@@ -33,7 +33,13 @@ from typing import Any, Literal
 
 import tpujob_contract as contract
 from tpujob_contract import ANNOTATION_RESUME_STEP, JOB_INDEX_ANNOTATION, LABEL_ATTEMPT, LABEL_UID, QUEUE_LABEL
-from tpujob_operator.jobset import TERMINATION_GRACE_SECONDS
+from tpujob_operator.jobset import (
+    IN_PLACE_RESTART_ATTEMPT_ANNOTATION,
+    IN_PLACE_RESTART_EXIT_CODE,
+    IN_PLACE_STRATEGY,
+    TERMINATION_GRACE_SECONDS,
+)
+from tpujob_operator.restarts import NOT_RESTARTED_EXIT_CODES
 
 T0 = datetime(2026, 1, 1, tzinfo=UTC)
 ACCELERATOR, TOPOLOGY = "tpu-v5-lite-podslice", "2x2"  # one host a slice
@@ -89,6 +95,13 @@ class Pod:
     unschedulable: bool = False  # the scheduler found no free pool for it
     process_alive: bool = False  # its trainer process runs (it can write to storage)
     gone: bool = False  # removed from the apiserver
+    # Restarted in place (JobSet's InPlaceRestart): its container's restarts, how the run before the last
+    # one ended, and the in-place round its agent is at (None: no agent has started yet).
+    restart_count: int = 0
+    last_exit_code: int | None = None
+    last_finished_at: int | None = None
+    in_place_attempt: int | None = None  # its annotation (it outlives the container that set it)
+    agent_joined: bool = False  # the agent of its current container has annotated the round it joins
 
     def ended(self) -> bool:
         return self.phase in ("Succeeded", "Failed")
@@ -128,11 +141,11 @@ class Pod:
             state = {"terminated": terminated}
         elif self.phase == "Running":
             state = {"running": {}}
-        status: dict[str, Any] = {
-            "phase": self.phase,
-            "conditions": conditions,
-            "containerStatuses": [{"name": "trainer", "state": state, "restartCount": 0}],
-        }
+        container: dict[str, Any] = {"name": "trainer", "state": state, "restartCount": self.restart_count}
+        if self.last_exit_code is not None:
+            last = {"exitCode": self.last_exit_code, "finishedAt": stamp(self.last_finished_at or 0), "reason": "Error"}
+            container["lastState"] = {"terminated": last}
+        status: dict[str, Any] = {"phase": self.phase, "conditions": conditions, "containerStatuses": [container]}
         if self.reason in POD_MESSAGES:  # the kubelet's pod-level reasons
             status["reason"], status["message"] = self.reason, POD_MESSAGES[self.reason]
         metadata: dict[str, Any] = {
@@ -142,6 +155,8 @@ class Pod:
             "labels": {LABEL_ATTEMPT: str(self.attempt), LABEL_UID: self.uid, JOB_INDEX_ANNOTATION: str(self.slice)},
             "annotations": {JOB_INDEX_ANNOTATION: str(self.slice)},
         }
+        if self.in_place_attempt is not None:
+            metadata["annotations"][IN_PLACE_RESTART_ATTEMPT_ANNOTATION] = str(self.in_place_attempt)
         if self.deleting_until is not None:
             metadata["deletionTimestamp"] = stamp(self.deleting_until)
         spec = {"nodeName": self.node} if self.node else {}
@@ -159,6 +174,8 @@ class JobSet:
     admitted_at: int | None = None  # Kueue admitted its Workload (a queued JobSet)
     evicted: str | None = None  # why Kueue evicted its Workload
     held_until: int = 0  # Kueue admits it no sooner (the workload that preempted it holds the quota)
+    current_round: int | None = None  # status.currentInPlaceRestartAttempt: the round all agents reached
+    previous_round: int | None = None  # status.previousInPlaceRestartAttempt: agents below it restart
 
     @property
     def name(self) -> str:
@@ -179,6 +196,14 @@ class JobSet:
     @property
     def slices(self) -> int:
         return sum(int(rj.get("replicas", 1)) for rj in self.manifest["spec"]["replicatedJobs"])
+
+    @property
+    def in_place(self) -> bool:
+        return bool(self.manifest["spec"]["failurePolicy"].get("restartStrategy") == IN_PLACE_STRATEGY)
+
+    @property
+    def max_restarts(self) -> int:
+        return int(self.manifest["spec"]["failurePolicy"].get("maxRestarts", 0))
 
     @property
     def queued(self) -> bool:
@@ -221,7 +246,12 @@ class JobSet:
             conditions.append({"type": "Suspended", "status": "False", "lastTransitionTime": stamp(self.resumed_at)})
         elif self.suspended:
             conditions.append({"type": "Suspended", "status": "True", "lastTransitionTime": stamp(self.created)})
-        return {"metadata": metadata, "spec": self.manifest["spec"], "status": {"conditions": conditions}}
+        status: dict[str, Any] = {"conditions": conditions}
+        if self.current_round is not None:
+            status["currentInPlaceRestartAttempt"] = self.current_round
+        if self.previous_round is not None:
+            status["previousInPlaceRestartAttempt"] = self.previous_round
+        return {"metadata": metadata, "spec": self.manifest["spec"], "status": status}
 
 
 @dataclass
@@ -288,6 +318,8 @@ class Config:
     pod_gc_seconds: int = 40  # the pod GC marks pods of a deleted node Failed after its quarantine
     pod_watch_lag_seconds: int = 0  # the operator's pod cache shows the pods as they were this long ago
     kueue: bool = False  # the job's JobSets go through a Kueue LocalQueue
+    in_place: bool = False  # spec.restart.strategy InPlace: JobSet restarts the workers on their nodes
+    in_place_max_restarts: int = 2
     storage_wait_seconds: int = 600  # TPUJOB_STORAGE_WAIT_SECONDS' default
     trainer_gives_up_on_storage: bool = True  # False: the trainer before issue 30's item 7 (python -m tests.sim.hunt)
 
@@ -443,9 +475,16 @@ class World:
     def _group_of(self, pod: Pod) -> Group | None:
         return self.groups.get((pod.jobset, pod.run))
 
+    def _processes(self, group: Group) -> list[Pod]:
+        """The group's pods whose process is the group's (an in-place round restarts them as a newer group)."""
+        return [self.pods[n] for n in group.pods if self.pods[n].run == group.key[1]]
+
+    def _all_alive(self, group: Group) -> bool:
+        processes = self._processes(group)
+        return len(processes) == len(group.pods) and all(p.process_alive for p in processes)
+
     def _healthy(self, group: Group) -> bool:
-        pods = [self.pods[name] for name in group.pods]
-        return group.started is not None and not group.hung and all(p.process_alive for p in pods)
+        return group.started is not None and not group.hung and self._all_alive(group)
 
     def _sigterm(self, pod: Pod) -> None:
         """The trainer's SIGTERM: all processes agree on a step and save it (checkpoint.saveOnPreemption),
@@ -462,6 +501,11 @@ class World:
 
     def _process_exits(self, pod: Pod, code: int) -> None:
         pod.process_alive = False
+        js = self.jobsets.get(pod.jobset)
+        restarted = js is not None and js.in_place and code not in NOT_RESTARTED_EXIT_CODES
+        if restarted and pod.deleting_until is None:
+            self._container_restarts(pod, code)
+            return
         if pod.deleting_until is not None:
             if self._kubelet_hears(pod):
                 pod.gone = True
@@ -483,7 +527,7 @@ class World:
             for other in self.groups.values()
             if other.key != group.key
             and (other.attempt < group.attempt or (other.key[0] == group.key[0] and other.key[1] < group.key[1]))
-            and all(self.pods[n].process_alive for n in other.pods)
+            and self._all_alive(other)
         ]
         if alive:
             self.truth.overlaps.append(f"t={self.now}: attempt {group.attempt} started while {alive} still ran")
@@ -525,7 +569,7 @@ class World:
                 continue
             del self.storage.in_flight[step]
             group = self.groups[save.group]
-            if not all(self.pods[n].process_alive for n in group.pods):
+            if not self._all_alive(group):
                 continue  # a process died before the commit (it needs every one): the step stays uncommitted
             self.storage.committed.add(step)
             if save.cut:
@@ -534,9 +578,9 @@ class World:
                 self.storage.committed.discard(old)
                 self.storage.removed_by_keep.add(old)
             if group.stopping_at == step or (group.done and step == group.step):
-                for name in group.pods:
-                    if self.pods[name].process_alive:
-                        self._process_exits(self.pods[name], 0 if group.done else 143)
+                for pod in self._processes(group):
+                    if pod.process_alive:
+                        self._process_exits(pod, 0 if group.done else 143)
 
     def _train(self, group: Group) -> None:
         if group.started is None or group.done or group.hung or group.stopping_at is not None:
@@ -632,6 +676,9 @@ class World:
                 for pod in pods:
                     self._delete_pod(pod, TERMINATION_GRACE_SECONDS)
                 continue
+            if js.in_place:
+                self._in_place_rounds(js, pods)
+                continue
             run = [p for p in pods if p.run == js.run]
             if any(p.phase == "Failed" for p in run) or self._deleted_unended(js):
                 js.state, js.ended_at = "Failed", self.now  # failurePolicy maxRestarts 0: the Jobs' other pods
@@ -659,6 +706,68 @@ class World:
                     group = self.groups.setdefault(key, Group(key, js.attempt, js.uid, []))
                     group.pods.append(name)
                     self.changed = True
+
+    def _in_place_rounds(self, js: JobSet, pods: list[Pod]) -> None:
+        """JobSet's InPlaceRestart with its agents (JobSet v0.12, pkg/controllers/in_place_restart.go and
+        cmd/in-place-restart-agent): a failed pod is replaced by its Job (podReplacementPolicy Failed); each
+        agent, on its start, annotates its pod with the round it joins (0 first, then the JobSet's current
+        round + 1) and holds the worker at a barrier; when every pod is at one round the controller makes it
+        current and the workers start (a new trainer group); while they disagree it marks the round below
+        the highest as previous, and an agent at or below it restarts its container (exit 86). A container
+        restarted more often than failurePolicy.maxRestarts, or a round past it, fails the JobSet."""
+        done = {p.slice for p in pods if p.phase == "Succeeded"}
+        if len(done) == js.slices:
+            js.state, js.ended_at = "Completed", self.now
+            self.changed = True
+            return
+        for index in range(js.slices):
+            if index not in done and not any(p.slice == index and not p.ended() for p in pods):
+                self._serial += 1
+                name = f"{js.name}-slice-{index}-0-{self._serial}"
+                self.pods[name] = Pod(name, js.name, js.attempt, js.uid, index, js.run, self.now)
+                self.changed = True
+        live = [p for p in self._pods_of(js) if p.phase != "Failed"]
+        rounds = [p.in_place_attempt for p in live if p.in_place_attempt is not None]
+        restarts = max((p.restart_count for p in live), default=0)
+        if restarts > js.max_restarts or max(rounds, default=0) > js.max_restarts:
+            js.state, js.ended_at = "Failed", self.now  # ReachedMaxRestarts
+            self.changed = True
+            return
+        for pod in live:  # the agents
+            if pod.phase != "Running" or not self._kubelet_hears(pod):
+                continue
+            if not pod.agent_joined:
+                pod.in_place_attempt = 0 if js.current_round is None else js.current_round + 1
+                pod.agent_joined = True
+                self.changed = True
+            elif js.previous_round is not None and (pod.in_place_attempt or 0) <= js.previous_round:
+                self._container_restarts(pod, IN_PLACE_RESTART_EXIT_CODE)
+            elif not pod.process_alive and pod.in_place_attempt == js.current_round and pod.run == js.run:
+                pod.process_alive, pod.running_at = True, self.now  # the barrier lifts: its worker starts
+                self.changed = True
+        rounds = [p.in_place_attempt for p in live if p.in_place_attempt is not None]
+        if len(rounds) == len(live) == js.slices and len(set(rounds)) == 1:
+            if js.current_round != rounds[0]:
+                if js.current_round is not None:
+                    js.run += 1  # a new round: its workers are a new trainer group
+                js.current_round = rounds[0]
+                key = (js.name, js.run)
+                self.groups[key] = Group(key, js.attempt, js.uid, [p.name for p in live])
+                for pod in live:
+                    pod.run = js.run
+                self.changed = True
+        elif rounds and max(rounds) > 0 and js.previous_round != max(rounds) - 1:
+            js.previous_round = max(rounds) - 1
+            self.changed = True
+
+    def _container_restarts(self, pod: Pod, code: int) -> None:
+        """The kubelet restarts the worker container on its node (its restart rules); the agent that starts
+        in it has joined no round yet."""
+        pod.process_alive = False
+        pod.restart_count += 1
+        pod.last_exit_code, pod.last_finished_at = code, self.now
+        pod.agent_joined = False
+        self.changed = True
 
     def _kueue(self) -> None:
         """Kueue admits a queued JobSet (resumes it) once no workload holds its quota and, after an
@@ -700,7 +809,7 @@ class World:
         group = self._group_of(pod)
         if self.storage.blind_for_workers(self.now):
             return  # no grace could have let the save commit
-        if group is not None and not all(self.pods[n].process_alive for n in group.pods):
+        if group is not None and not self._all_alive(group):
             return  # a peer died first: the save, which needs every process, could never commit
         if group is not None and group.stopping_at is not None and group.stopping_at not in self.storage.committed:
             step = group.stopping_at
@@ -717,12 +826,14 @@ class World:
                 self.changed = True
             starts = pod.phase == "Pending" and pod.node is not None and pod.deleting_until is None
             if starts and self._kubelet_hears(pod):
-                pod.phase, pod.running_at, pod.process_alive = "Running", self.now, True
+                js = self.jobsets.get(pod.jobset)
+                barrier = js is not None and js.in_place  # its agent holds the worker until the round starts
+                pod.phase, pod.running_at, pod.process_alive = "Running", self.now, not barrier
                 self.changed = True
         for group in self.groups.values():
             if group.started is not None:
                 continue
-            pods = [self.pods[n] for n in group.pods]
+            pods = self._processes(group)
             js = self.jobsets.get(group.key[0])
             if (
                 js is None
@@ -750,7 +861,7 @@ class World:
         for group in self.groups.values():
             if group.started is None:
                 continue  # its final save too: the watchdog watches until the record's last write
-            for pod in (self.pods[n] for n in group.pods):
+            for pod in self._processes(group):
                 if pod.process_alive:  # a stopping one too: its SIGTERM save cannot land either
                     self._blame(pod, "infrastructure", "storage lost for the workers")
                     self._process_exits(pod, 3)
@@ -761,7 +872,7 @@ class World:
         if self.now >= self.storage.workers_denied_until:
             return
         for group in self.groups.values():
-            for pod in (self.pods[n] for n in group.pods):
+            for pod in self._processes(group):
                 if pod.process_alive and pod.running_at is not None:
                     self._blame(pod, "infrastructure", "storage refused the workers (403)")
                     self._process_exits(pod, int(contract.ExitCode.STORAGE_PERMISSION_DENIED))
@@ -780,7 +891,7 @@ class World:
     def crash(self, index: int) -> None:
         if (pod := self._target(index)) is not None:
             self._blame(pod, "job", "crash")
-            self._end(pod, "Failed", 1, "Error")
+            self._process_exits(pod, 1)
 
     def evict_for_memory(self, index: int) -> None:
         """Node-pressure eviction: the job's own memory (or its local tier's tmpfs) filled the node."""
@@ -892,7 +1003,7 @@ class World:
         self.storage.workers_outage = (self.now, self.now + seconds)
         for group in self.groups.values():  # their records go silent: a hang as the operator sees it
             if group.started is not None and not group.done and seconds > 0:
-                for pod in (self.pods[n] for n in group.pods if self.pods[n].process_alive):
+                for pod in (p for p in self._processes(group) if p.process_alive):
                     self._blame(pod, "infrastructure", "storage lost for the workers", "stalls")
 
     def workers_denied(self, seconds: int) -> None:

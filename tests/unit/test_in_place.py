@@ -21,10 +21,12 @@ def _job(status=None, **restart):
     return training_job(restart={**IN_PLACE, **restart}, status={"phase": "Running", "attempt": 0, **(status or {})})
 
 
-def _jobset(round_=1, pods=(), state="Active", attempt=0):
+def _jobset(round_=1, pods=(), state="Active", attempt=0, pods_round=None):
+    """`pods_round`: the round the pods show (default: the JobSet's, as when the pod watch has caught up)."""
     return JobSetFacts(
-        f"llama-a{attempt}", attempt, None, T0, state, pods=pods, uid=UID, in_place=True, in_place_round=round_
-    )
+        f"llama-a{attempt}", attempt, None, T0, state, pods=pods, uid=UID, in_place=True, in_place_round=round_,
+        pods_in_place_round=round_ if pods_round is None else pods_round,
+    )  # fmt: skip
 
 
 def _worker(name="llama-a0-slice-1-0", slice_=1, **facts):
@@ -45,6 +47,15 @@ def _restarting():
     before = progress_record(uid=UID, attempt=0, step=130, updated_at=T0, process_started_at=T0 - timedelta(hours=1))
     status, _ = reconcile(_job({"step": 130}), _observed(_jobset(pods=(_crashed(),)), progress=before))
     return _job().model_copy(update={"status": status}), before
+
+
+def test_a_round_the_pods_do_not_show_yet_waits_for_the_pod_watch():
+    # JobSet's counters say round 1, the pods the watch delivered are still at round 0: what explains
+    # the round (a crashed run, a replacement pod) has not arrived; deciding now would count it Unknown.
+    observed = _observed(_jobset(pods=(_worker(),), pods_round=0))
+    status, actions = reconcile(_job(), observed)
+    assert status.last_failure is None and status.in_place_round == 0
+    assert actions.requeue_after is not None and actions.requeue_after <= 2
 
 
 def test_a_round_jobset_begins_is_recorded_once_as_a_failure_restarted_in_place():
@@ -222,3 +233,37 @@ def test_the_recovery_deadline_does_not_run_while_storage_cannot_be_read():
     )
     status, actions = reconcile(back, _observed(_jobset(pods=(_crashed(),)), now=late))
     assert status.attempt == 0 and actions.delete == []
+
+
+def test_a_round_no_pod_explains_beside_a_replacement_pod_is_a_deleted_pods_and_free():
+    # An eviction deleted a worker pod (and its DisruptionTarget) before the operator read it; its Job
+    # replaced it: a fresh container whose agent joined round 1. Nothing else failed.
+    replacement = _worker("llama-a0-slice-0-1", 0, in_place_attempt=1)
+    restarted = _worker(restart_count=1, in_place_attempt=1)  # the agent ended it (exit 86: no lastState)
+    status, _ = reconcile(_job({"step": 130}), _observed(_jobset(pods=(replacement, restarted))))
+    failure = status.last_failure
+    assert (failure.kind, failure.reason, failure.counted) == ("Preemption", "WorkerPodDeleted", False)
+
+
+def test_a_pod_that_failed_in_an_earlier_round_says_nothing_of_the_next_one():
+    # Round 1: a node was lost under slice 0 (its pod stays Failed in the API, replaced by its Job).
+    lost = PodFacts("llama-a0-slice-0-0", 0, "Failed", disruption_reason="DeletionByTaintManager", finished_at=T0)
+    first, _ = reconcile(_job({"step": 130}), _observed(_jobset(pods=(lost, _worker()))))
+    assert (first.last_failure.kind, first.in_place_round) == ("NodeLost", 1)
+    # Round 2, a minute later: the trainer of slice 1 crashes. Its failure is the job's, counted.
+    later = T0 + timedelta(seconds=60)
+    crashed = dataclasses.replace(_crashed(at=later, in_place_attempt=2), restart_count=2)
+    replacement = _worker("llama-a0-slice-0-1", 0, in_place_attempt=2, restart_count=1)
+    observed = _observed(_jobset(round_=2, pods=(lost, crashed, replacement)), now=later + timedelta(seconds=2))
+    second, _ = reconcile(_job().model_copy(update={"status": first}), observed)
+    failure = second.last_failure
+    assert (failure.kind, failure.reason, failure.counted, failure.slice) == ("ApplicationError", "ExitCode1", True, 1)
+
+
+def test_resuming_a_suspended_in_place_job_starts_a_fresh_attempt_and_counts_its_own_rounds():
+    # New pods of the same JobSet would have fresh agents join round current + 1, as if a worker failed.
+    status = {"phase": "Suspended", "attempt": 0, "inPlaceRound": 1}
+    suspended = dataclasses.replace(_jobset(round_=1, state="Suspended"), suspended_by_operator=True, resume_step=100)
+    after, actions = reconcile(_job(status), _observed(suspended, latest=100))
+    assert actions.set_suspend is None and actions.stop == ["llama-a0"]
+    assert (after.attempt, after.in_place_round, after.restarts) == (1, 0, 0)

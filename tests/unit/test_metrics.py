@@ -266,7 +266,8 @@ def test_metrics_port_flag():
 def test_an_in_place_restart_is_counted_under_its_rung(metrics):
     tj = training_job(restart={"strategy": "InPlace"}, status={"phase": "Running", "attempt": 0})
     crashed = PodFacts("w1", 1, "Running", restart_count=1, last_exit_code=1, last_finished_at=T0)
-    jobset = JobSetFacts("llama-a0", 0, None, T0, "Active", pods=(crashed,), uid=UID, in_place=True, in_place_round=1)
+    jobset = JobSetFacts("llama-a0", 0, None, T0, "Active", pods=(crashed,), uid=UID, in_place=True, in_place_round=1,
+                         pods_in_place_round=1)  # fmt: skip
     after, _ = reconcile(tj, Observed(now=T0, jobsets=(jobset,), latest_committed_step=100))
     metrics.observe_reconcile("ml", "llama", tj.status, after, T0)
     labels = {**JOB, "kind": "ApplicationError", "counted": "true"}

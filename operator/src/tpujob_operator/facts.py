@@ -130,6 +130,7 @@ class JobSetFacts:
     # The highest in-place restart round begun: JobSet's current and previous attempt counters, its pods'
     # annotations, and a failed pod's (its round + 1), since a pod's failure begins the next round.
     in_place_round: int = 0
+    pods_in_place_round: int = 0  # ... as the pods alone show it (behind in_place_round: the pod watch lags)
 
 
 @dataclass(frozen=True)

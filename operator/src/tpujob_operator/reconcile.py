@@ -39,6 +39,7 @@ from .jobset import jobset_name
 from .nodes import pods_on_gone_nodes, recorded_pods_on_gone_nodes
 from .restarts import (
     MAX_UNCOUNTED_RESTARTS_WITHOUT_PROGRESS,
+    POD_NEWS_RECHECK_SECONDS,
     TERMINAL_KINDS,
     Failure,
     backoff,
@@ -519,11 +520,13 @@ def _suspension(
         message = f"waiting for {saving} worker pods of JobSet {current.name} to finish the suspension's save"
         return _enter(status, "Pending", "Resuming", message, "Suspended", now), actions
     latest = _known_latest_step(status, observed)
-    if current.resume_step == latest or observed.storage_error is not None:
+    if (current.resume_step == latest or observed.storage_error is not None) and not current.in_place:
         actions.set_suspend = (current.name, False)
     else:
-        # Its pods would resume from a stale pinned step (the suspension saved a newer one): replace it
-        # with a fresh attempt. Not a restart: nothing failed.
+        # Its pods would resume from a stale pinned step (the suspension saved a newer one), or, on the
+        # InPlace rung, their fresh agents would join a new in-place round as if a worker had failed:
+        # replace it with a fresh attempt. Not a restart: nothing failed.
+        status.in_place_round = 0  # the next attempt's JobSet counts its own
         status.attempt += 1
         status.job_set_name = jobset_name(tj.name, status.attempt)
         actions.stop.append(current.name)
@@ -939,6 +942,11 @@ def _in_place(
     if terminal is not None:  # its container is not restarted (jobset.py): nothing can fix it
         return _after_failure(tj, status, observed, actions, current, terminal)
     if current.in_place_round > status.in_place_round:
+        if current.pods_in_place_round < current.in_place_round:
+            # JobSet's counters are ahead of the pods the watch delivered: the pod that explains the
+            # round (a failed run, a replacement) has not arrived yet.
+            actions.requeue_after = POD_NEWS_RECHECK_SECONDS
+            return status, actions
         failure = classify_in_place_round(current, _last_failure_time(status), observed.nodes, now)
         if (wait := node_verdict_wait(current, failure, observed.nodes, now)) is not None:
             actions.requeue_after = wait

@@ -174,14 +174,35 @@ def classify_in_place_round(
     round: a container's lastState outlives its round)."""
     runs = tuple(run for run in (_last_run(p, after) for p in jobset.pods) if run is not None)
     asked = f"JobSet {jobset.name} restarted its workers in place (round {jobset.in_place_round})"
-    return classify_jobset_failure(
+    failure = classify_jobset_failure(
         dataclasses.replace(jobset, pods=runs, condition_reason="InPlaceRestart", condition_message=asked), nodes, now
     )
+    replaced = next((p for p in jobset.pods if _replacement(p)), None)
+    if failure.kind == "Unknown" and failure.time is None and replaced is not None:
+        # No pod, no container run explains the round, and a pod is its Job's replacement: the one it
+        # replaced left no Failed pod behind, so it was deleted (an eviction, a preemption).
+        message = (
+            f"{asked}: pod {replaced.name} replaced a worker pod that was deleted (an eviction, a preemption "
+            "or a node's removal) before the operator read it"
+        )
+        return Failure("Preemption", WORKER_POD_DELETED, message, replaced.slice, None)
+    return failure
+
+
+def _replacement(pod: PodFacts) -> bool:
+    """A pod its Job created in place of another during the JobSet's life: a fresh container (never
+    restarted) whose agent joined a later round than the first."""
+    return pod.restart_count == 0 and (pod.in_place_attempt or 0) > 0 and pod.phase not in POD_ENDED_PHASES
 
 
 def _last_run(pod: PodFacts, after: datetime | None) -> PodFacts | None:
-    """The pod as its failure is classified: a failed pod as it is, a restarted one as its last run ended."""
-    if pod.phase == "Failed" or pod.last_exit_code is None:
+    """The pod as its failure is classified: a failed pod as it is, a restarted one as its last run ended;
+    None for a pod that failed in a round recorded before (its Job replaced it: it stays in the API, and
+    neither its failure nor its node says anything of this round)."""
+    if pod.phase == "Failed":
+        ended = pod.finished_at or pod.disruption_since
+        return None if after is not None and ended is not None and ended <= after else pod
+    if pod.last_exit_code is None:
         return pod
     if after is not None and pod.last_finished_at is not None and pod.last_finished_at <= after:
         return pod  # its last failure was the round recorded before
