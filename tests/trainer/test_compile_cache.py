@@ -19,8 +19,8 @@ from typing import Any
 
 import pytest
 from tpujob import compile_cache
-from tpujob.compile_cache import GuardedCache, frame, unframe
-from tpujob.config import compilation_cache_dir
+from tpujob.compile_cache import GuardedCache, TieredCache, frame, unframe
+from tpujob.config import compilation_cache_dir, local_compilation_cache_dir
 from tpujob_trainer.config import parse_config
 
 from tests.trainer.procs import BUCKET, Job
@@ -122,6 +122,115 @@ def test_several_cpu_processes_train_without_the_cache(job: Job) -> None:
     assert _cache_objects(job) == []
 
 
+# -- each process's own tier (TPUJOB_LOCAL_COMPILATION_CACHE_DIR: the pod's volume, kept by a restart in place)
+
+OWN_ARGS = ["--steps", "60", "--batch-size", "8", "--seq-len", "32"]
+
+
+def _own_tiers(tmp_path: Path) -> tuple[list[Path], Any]:
+    dirs = [tmp_path / f"own-cache-{i}" for i in range(2)]
+    return dirs, lambda i: {"TPUJOB_LOCAL_COMPILATION_CACHE_DIR": str(dirs[i])}
+
+
+def _entries(directory: Path, name: str = "jit_train_step") -> list[Path]:
+    return sorted(directory.glob(f"{name}-*.xc")) if directory.is_dir() else []
+
+
+def _kill_once_cached(job: Job, dirs: list[Path], own: Any) -> None:
+    """Attempt 0 of 2 processes trains until a step is committed and each has written its train step's
+    entry to its own tier, then both are SIGKILLed (what a restart in place follows)."""
+    attempt = job.start(OWN_ARGS, processes=2, process_env=own)
+    attempt.wait_until(
+        lambda: attempt.last_step() >= 8 and any(s >= 4 for s in job.committed_steps()) and all(map(_entries, dirs)),
+        quiet=240,
+    )
+    attempt.signal(signal.SIGKILL)
+    attempt.wait(30)
+    for index in (0, 1):
+        assert "compile cache: wrote jit_train_step" in attempt.output(index), attempt.output(index)[-4000:]
+
+
+def _uninterrupted_without_cache(job: Job, tmp_path: Path) -> dict[str, str]:
+    plain = Job(gcs=job.gcs, base_env=job.base_env, log_dir=tmp_path / "plain", name=f"{job.name}-plain")
+    plain.log_dir.mkdir()
+    try:
+        run = plain.start(OWN_ARGS, {"TPUJOB_COMPILATION_CACHE_DIR": "off"}, processes=2)
+        assert run.wait(300) == [0, 0], run.output(0)[-4000:]
+        assert "compile cache: off" in run.output(1)
+        return plain.digest(60)
+    finally:
+        plain.kill_all()
+
+
+@pytest.mark.timeout(900)
+def test_a_restart_in_place_reads_each_process_own_tier(job: Job, tmp_path: Path) -> None:
+    """Two CPU processes (whose keys differ, so the shared cache is off) restarted with their own tiers
+    compile only what the killed processes had not compiled (the restore's few functions: attempt 0
+    started fresh), and restarted once more compile nothing at all: every lookup hits their own
+    entries. The trained state is the same bit for bit as an uninterrupted run without any cache."""
+    _without_jax_cache(job)
+    dirs, own = _own_tiers(tmp_path)
+    _kill_once_cached(job, dirs, own)
+    written = [{p.name[: -len(".xc")] for p in d.iterdir()} for d in dirs]
+    assert written[0] != written[1]  # each process's own keys (XLA's CPU topology fingerprint differs)
+
+    first = job.start(OWN_ARGS, processes=2, process_env=own)  # in place: the same volumes
+    first.wait_until(lambda: len(re.findall(r"^step \d+/", first.output(0), re.MULTILINE)) >= 3, quiet=240)
+    first.signal(signal.SIGKILL)
+    first.wait(30)
+    for index in (0, 1):
+        out = first.output(index)
+        assert re.search(r"compile cache: hit jit_train_step-\w+ \(local", out), out[-4000:]
+        missed = set(re.findall(r"compile cache: miss (\S+) \(local\)", out))
+        assert not {_short_key(k) for k in written[index]} & missed, out[-4000:]
+        assert " is damaged" not in out and "not read" not in out
+    rewritten = [{p.name for p in d.iterdir()} for d in dirs]
+
+    second = job.start(OWN_ARGS, processes=2, process_env=own)
+    assert second.wait(300) == [0, 0], second.output(0)[-4000:]
+    for index in (0, 1):
+        out = second.output(index)
+        assert "compile cache: miss" not in out, out[-4000:]  # every compile was a lookup that hit: none ran
+        assert "compile cache: wrote" not in out and " is damaged" not in out and "not read" not in out
+        assert re.search(r"compile cache: local \S+: [1-9]\d* hits, 0 misses, 0 damaged, 0 writes, on", out), out[
+            -3000:
+        ]
+    assert [{p.name for p in d.iterdir()} for d in dirs] == rewritten  # nothing new
+    assert job.progress()["state"] == "succeeded" and job.progress()["restored_step"] is not None
+    assert job.digest(60) == _uninterrupted_without_cache(job, tmp_path)
+
+
+def _short_key(key: str) -> str:
+    name, _, digest = key.rpartition("-")
+    return f"{name}-{digest[:12]}"
+
+
+@pytest.mark.timeout(900)
+def test_a_damaged_own_entry_costs_every_process_a_compile(job: Job, tmp_path: Path) -> None:
+    """One process's train step entry with bytes flipped: its check fails before any lookup, the
+    processes find that their tiers differ, and both compile (one alone would reach the first
+    collective while the other compiles); the fresh compile replaces the entry; same parameters."""
+    _without_jax_cache(job)
+    dirs, own = _own_tiers(tmp_path)
+    _kill_once_cached(job, dirs, own)
+    (entry,) = _entries(dirs[1])
+    blob = bytearray(entry.read_bytes())
+    for at in range(len(blob) // 2, len(blob) // 2 + 64):
+        blob[at] ^= 0xFF
+    entry.write_bytes(bytes(blob))
+
+    restarted = job.start(OWN_ARGS, processes=2, process_env=own)
+    assert restarted.wait(300) == [0, 0], restarted.output(0)[-4000:]
+    assert re.search(r"compile cache: entry jit_train_step-\w+ is damaged \(local", restarted.output(1))
+    for index in (0, 1):
+        out = restarted.output(index)
+        assert "the processes' tiers differ" in out and "compile cache: hit" not in out, out[-4000:]
+        assert re.search(r"compile cache: miss jit_train_step-\w+ \(local\)", out), out[-4000:]
+    assert "compile cache: wrote jit_train_step" in restarted.output(1)  # the damaged entry replaced
+    assert unframe(entry.read_bytes()) is not None
+    assert job.digest(60) == _uninterrupted_without_cache(job, tmp_path)
+
+
 @pytest.mark.timeout(400)
 def test_damaged_entries_cost_a_recompile_and_are_replaced(job: Job) -> None:
     _without_jax_cache(job)
@@ -176,6 +285,33 @@ def test_cache_directory_configuration() -> None:
     both = {"JAX_COMPILATION_CACHE_DIR": "/var/cache/jax", "TPUJOB_COMPILATION_CACHE_DIR": "off"}
     assert compilation_cache_dir(both, run) is None
     assert parse_config([], {"TPUJOB_RUN_DIR": run + "/"}).compilation_cache_dir == "gs://b/ns/job/jax-cache"
+    own = {"TPUJOB_LOCAL_COMPILATION_CACHE_DIR": "/tpujob/compile-cache/"}
+    assert local_compilation_cache_dir(own) == "/tpujob/compile-cache"
+    assert local_compilation_cache_dir({}) is None
+    assert local_compilation_cache_dir({**own, "TPUJOB_COMPILATION_CACHE_DIR": "off"}) is None
+    assert local_compilation_cache_dir({**own, "TPUJOB_COMPILATION_CACHE_DIR": "gs://c/x"}) == "/tpujob/compile-cache"
+    with pytest.raises(ValueError):
+        local_compilation_cache_dir({"TPUJOB_LOCAL_COMPILATION_CACHE_DIR": "gs://c/x"})
+
+
+def test_the_own_tier_is_read_first_and_learns_from_the_shared_one(tmp_path: Path) -> None:
+    own, shared = tmp_path / "own", tmp_path / "shared"
+    key_a, key_b = "jit_a-" + "a" * 64, "jit_b-" + "b" * 64
+    first = TieredCache(GuardedCache(str(own), 10, tier="local"), GuardedCache(str(shared), 10))
+    assert first.get(key_a) is None
+    first.put(key_a, b"A")  # process 0 (no distributed runtime here): both tiers
+    first.flush(10)
+    assert (own / f"{key_a}.xc").exists() and (shared / f"{key_a}.xc").exists()
+    other = GuardedCache(str(shared), 10)
+    other.put(key_b, b"B")  # another process 0's entry, in the shared tier only
+    other.flush(10)
+    (shared / f"{key_a}.xc").write_bytes(frame(b"not A"))  # the own tier answers first
+    again = TieredCache(GuardedCache(str(own), 10, tier="local"), GuardedCache(str(shared), 10))
+    assert again.get(key_a) == b"A" and again.get(key_b) == b"B"
+    again.flush(10)
+    assert unframe((own / f"{key_b}.xc").read_bytes()) == b"B"  # copied: the next restart reads it here
+    assert (again.stats.hits, again.stats.writes) == (2, 1)
+    assert "local " in again.summary() and "shared " in again.summary()
 
 
 def test_entries_are_checked_before_jax_sees_them() -> None:

@@ -68,6 +68,10 @@ def test_every_variable_the_operator_sets_is_a_contract_name_users_cannot_set():
     }
     manifest = build_jobset(training_job(checkpoint=adaptive), attempt=0, resume_step=None)
     set_by_operator = set(_pod_env(manifest, 0, 0)) - {"JOB_COMPLETION_INDEX"}
+    # An InPlace job's workers also get their own compilation cache (besides the restart agent's env).
+    in_place = build_jobset(training_job(restart={"strategy": "InPlace"}), attempt=0, resume_step=None)
+    container = in_place["spec"]["replicatedJobs"][0]["template"]["spec"]["template"]["spec"]["containers"][0]
+    set_by_operator |= {e["name"] for e in container["env"] if e["name"].startswith("TPUJOB_")}
     assert set_by_operator == set(contract.Env.names())
     for name in set_by_operator:
         assert name in OPERATOR_ENV_NAMES or name.startswith(OPERATOR_ENV_PREFIXES)

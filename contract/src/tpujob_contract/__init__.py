@@ -66,6 +66,9 @@ class Env:
     LOCAL_CHECKPOINT_DIR: Final = "TPUJOB_LOCAL_CHECKPOINT_DIR"
     LOCAL_CHECKPOINT_INTERVAL_STEPS: Final = "TPUJOB_LOCAL_CHECKPOINT_INTERVAL_STEPS"
     LOCAL_CHECKPOINT_OVERHEAD_BUDGET_PERCENT: Final = "TPUJOB_LOCAL_CHECKPOINT_OVERHEAD_BUDGET_PERCENT"
+    # InPlace jobs: the process's own compilation cache (an emptyDir's mountPath), read before the
+    # shared one in the run directory; it outlives a restart in place, so the restarted process compiles nothing
+    LOCAL_COMPILATION_CACHE_DIR: Final = "TPUJOB_LOCAL_COMPILATION_CACHE_DIR"
 
     @classmethod
     def names(cls) -> tuple[str, ...]:
@@ -86,6 +89,7 @@ COMPILATION_CACHE_ENV: Final = "TPUJOB_COMPILATION_CACHE_DIR"
 DEFAULT_LOCAL_INTERVAL_STEPS: Final = 10  # spec.checkpoint.local.intervalSteps' default
 DEFAULT_LOCAL_OVERHEAD_BUDGET_PERCENT: Final = 2.0  # spec.checkpoint.local.overheadBudgetPercent's default
 LOCAL_CHECKPOINT_MOUNT: Final = "/tpujob/local-checkpoints"  # where the operator mounts the emptyDir
+LOCAL_COMPILATION_CACHE_MOUNT: Final = "/tpujob/compile-cache"  # InPlace jobs: Env.LOCAL_COMPILATION_CACHE_DIR
 
 
 @dataclass(frozen=True)

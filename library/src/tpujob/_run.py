@@ -85,7 +85,9 @@ class Run:
         self.config = cfg
         self.final_step = final_step
         self.first_step = 0  # the step restore() continues from
-        self._cache = compile_cache.install(cfg.compilation_cache_dir, cfg.storage_timeout_seconds)
+        self._cache = compile_cache.install(
+            cfg.compilation_cache_dir, cfg.storage_timeout_seconds, local_directory=cfg.local_compilation_cache_dir
+        )
         self._notice = PreemptionNotice(attempt.init_distributed(cfg))
         self._status = progress.AttemptProgress(cfg.attempt, cfg.job_uid, process_started_at)
         self._mngr: CheckpointManager | None = None

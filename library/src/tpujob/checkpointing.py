@@ -363,8 +363,15 @@ def agree_steps(steps: Sequence[int]) -> list[int]:
     if jax.process_count() == 1:
         return sorted(steps)
     n = int(multihost_utils.broadcast_one_to_all(np.int32(len(steps))))
-    mine = np.asarray(sorted(steps) if jax.process_index() == 0 else [0] * n, dtype=np.int32)
-    return [int(s) for s in multihost_utils.broadcast_one_to_all(mine)] if n else []
+    if not n:
+        return []
+    # Padded to a power of two: a shape per count of steps would be a new program (a compile, which a
+    # restart's compilation cache cannot have seen) whenever another step is committed.
+    width = max(8, 1 << (n - 1).bit_length())
+    mine = np.zeros(width, dtype=np.int32)
+    if jax.process_index() == 0:
+        mine[:n] = sorted(steps)
+    return [int(s) for s in multihost_utils.broadcast_one_to_all(mine)[:n]]
 
 
 @dataclasses.dataclass

@@ -1,8 +1,12 @@
-"""A persistent JAX compilation cache in the run directory, so a restarted attempt does not compile again.
+"""A persistent JAX compilation cache in two tiers, so a restarted process does not compile again.
 
-Where (config.compilation_cache_dir): `$TPUJOB_COMPILATION_CACHE_DIR` if set (empty or `off`
-turns the cache off), else `$JAX_COMPILATION_CACHE_DIR` (a cache the user configured for JAX
-itself), else `$TPUJOB_RUN_DIR/jax-cache`; gs:// or a local path.
+Where: the shared tier (config.compilation_cache_dir) is `$TPUJOB_COMPILATION_CACHE_DIR` if set
+(empty or `off` turns both tiers off), else `$JAX_COMPILATION_CACHE_DIR` (a cache the user
+configured for JAX itself), else `$TPUJOB_RUN_DIR/jax-cache`; gs:// or a local path. The process's
+own tier (config.local_compilation_cache_dir) is `$TPUJOB_LOCAL_COMPILATION_CACHE_DIR`, a local
+path: the operator mounts an emptyDir there in InPlace jobs, which a restart in place keeps (a new
+pod starts it empty). A lookup reads the own tier first, then the shared one (a shared hit is copied
+into the own tier); a compile writes to both (TieredCache).
 
 Why every attempt and every host may share one directory (JAX 0.10.2, jax/_src/cache_key.py): an
 entry's key is a sha256 of the computation (StableHLO without debug info), the jaxlib version,
@@ -19,8 +23,18 @@ process, as in the devcluster's one-host slices, uses it). And since an XLA:CPU 
 native code for the host CPU, which the key does not cover, this module adds the host CPU's model
 and feature flags to the key on CPU (JAX's `custom_hook`).
 
+The own tier works on CPU and TPU alike: XLA's CPU fingerprint differs per process but not between
+restarts of one process (its process index and devices), so a process restarted in place computes
+the keys it wrote. For every process to write its own entries, JAX's `_cache_write` (process 0
+only) is widened to the others (`_every_process_writes`, with JAX's other rules kept); the shared
+tier is still written by process 0 alone. With several CPU processes, whose first collective gloo
+would time out while one of them compiles what the others read, the processes first compare which
+functions their own tiers hold, each entry checked (JAX's key-value store, `GuardedCache._agree`):
+a tier is read only where every process holds the same ones (a new pod among restarted ones, a
+damaged or missing entry: every process compiles, as without the tier, and writes what it lacks).
+
 What this module adds to JAX's own file cache (jax/_src/lru_cache.py), which it replaces through
-the one hook JAX has for it (`jax._src.compilation_cache._cache`):
+the one hook JAX has for it (`jax._src.compilation_cache._cache`), in each tier (a GuardedCache):
 - every storage call runs in a daemon thread with a deadline (TPUJOB_STORAGE_TIMEOUT_SECONDS):
   GCS clients retry an unreachable endpoint for about 30 s and a hung server forever, and a
   compile must never wait on that. The first storage error or timeout turns the cache off for the
@@ -44,6 +58,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import hashlib
+import inspect
 import logging
 import os
 import platform
@@ -51,13 +66,17 @@ import queue
 import threading
 import time
 import uuid
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
+from typing import Any
 
 import jax
 from etils import epath
 from jax._src import cache_key as jax_cache_key
 from jax._src import compilation_cache as jax_cc
+from jax._src import compiler as jax_compiler
+from jax._src import config as jax_config
+from jax._src import distributed as jax_distributed
 from jax._src.compilation_cache_interface import CacheInterface
 
 from tpujob.bounded import bounded
@@ -68,6 +87,7 @@ MIN_COMPILE_TIME_ENV = "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"
 SUFFIX = ".xc"
 MAGIC = b"tpujob-xc1\n"
 _DIGEST = 32
+AGREE_TIMEOUT_S = 20.0  # at most (and at most half the storage deadline): the processes' wait for each other's tiers
 
 
 def frame(payload: bytes) -> bytes:
@@ -95,8 +115,9 @@ class Stats:
 class GuardedCache(CacheInterface):
     """JAX's CacheInterface over a directory (gs:// or local) that can only ever cost a recompile."""
 
-    def __init__(self, directory: str, timeout_s: float):
+    def __init__(self, directory: str, timeout_s: float, tier: str = "shared"):
         self.directory = directory
+        self.tier = tier  # "shared" (the run directory's: platform rules apply) or "local" (this process's own)
         self._path = epath.Path(directory)  # type: ignore[assignment]  # JAX reads it for its logs
         self.timeout_s = timeout_s
         self.stats = Stats()
@@ -106,6 +127,7 @@ class GuardedCache(CacheInterface):
         self._present: set[str] = set()  # keys in storage (listed, or written by this process)
         self._bad: set[str] = set()  # keys whose stored entry failed its check: a put replaces them
         self._disabled: str | None = None  # why the cache is off for the rest of this process
+        self._unread: str | None = None  # why its entries are not read (they are still written)
         self._writes: queue.Queue[tuple[str, bytes] | None] = queue.Queue()
         self._writer: threading.Thread | None = None
 
@@ -116,7 +138,7 @@ class GuardedCache(CacheInterface):
             if self._listing_started:
                 return
             self._listing_started = True
-        if (why := self._platform_rules_out()) is not None:
+        if self.tier == "shared" and (why := self._platform_rules_out()) is not None:
             self._disable(why, error=False)
             self._listed.set()
             return
@@ -135,6 +157,8 @@ class GuardedCache(CacheInterface):
                 "compile cache: %s holds %d entries (listed in %.2fs)",
                 self.directory, len(keys), time.monotonic() - started,
             )  # fmt: skip
+            if self.tier == "local":
+                self._agree(keys)
         finally:
             self._listed.set()
 
@@ -157,6 +181,56 @@ class GuardedCache(CacheInterface):
             return f"{jax.process_count()} CPU processes look up different keys (see compile_cache.py)"
         return None
 
+    def _agree(self, keys: set[str]) -> None:
+        """CPU processes whose own tiers differ would compile different functions (a new pod beside pods
+        restarted in place): the ones that hit would reach the first collective while the others compile,
+        past gloo's patience. So with several CPU processes each tells the others which functions its
+        tier holds (JAX's key-value store), and the tier is read only where every process holds the same
+        ones; otherwise every process compiles (and writes), as without the tier. TPU processes need no
+        agreement (a miss here is a hit in the shared cache, whose key is the slice's). Each entry is
+        checked first (a local read), so a damaged one also makes every process compile, not this one alone."""
+        if jax.process_count() <= 1 or jax.default_backend() != "cpu":
+            return
+        whole = {k for k in keys if self._intact(k)}
+        names = sorted(k.rpartition("-")[0] for k in whole)  # the hash part of a CPU key differs per process
+        mine = f"{len(names)}:{hashlib.sha256(chr(10).join(names).encode()).hexdigest()[:16]}"
+        try:
+            client = jax_distributed.global_state.client
+            if client is None:
+                raise RuntimeError("JAX's distributed runtime is not started")
+            client.key_value_set(f"tpujob/compile-cache/{jax.process_index()}", mine)
+            wait_ms = int(min(self.timeout_s / 2, AGREE_TIMEOUT_S) * 1000)
+            theirs = [
+                client.blocking_key_value_get(f"tpujob/compile-cache/{i}", wait_ms) for i in range(jax.process_count())
+            ]
+        except Exception as err:
+            why = f"the processes could not compare their tiers ({type(err).__name__}: {err})"
+        else:
+            if len(set(theirs)) == 1:
+                return
+            why = f"the processes' tiers differ ({', '.join(theirs)})"
+        with self._lock:
+            self._unread = why
+        log.warning("compile cache: %s: not read by this attempt, every process compiles", why)
+
+    def _intact(self, key: str) -> bool:
+        try:
+            blob = bounded(self._entry(key).read_bytes, self.timeout_s, f"reading {_short(key)}")
+        except Exception as err:
+            log.warning(
+                "compile cache: reading %s (%s) failed: %s: %s", _short(key), self.tier, type(err).__name__, err
+            )
+            blob = b""
+        if unframe(blob) is not None:
+            return True
+        with self._lock:
+            self._bad.add(key)
+            self.stats.corrupt += 1
+        log.warning(
+            "compile cache: entry %s is damaged (%s, %d bytes); compiling it again", _short(key), self.tier, len(blob)
+        )
+        return False
+
     def _disable(self, why: str, error: bool = True) -> None:
         with self._lock:
             if self._disabled is not None:
@@ -173,11 +247,11 @@ class GuardedCache(CacheInterface):
         with self._lock:
             if self._disabled is not None:
                 return None
-            present = key in self._present and key not in self._bad
+            present = key in self._present and key not in self._bad and self._unread is None
         if not present:
             with self._lock:
                 self.stats.misses += 1
-            log.info("compile cache: miss %s", _short(key))
+            log.info("compile cache: miss %s (%s)", _short(key), self.tier)
             return None
         started = time.monotonic()
         try:
@@ -186,7 +260,7 @@ class GuardedCache(CacheInterface):
             with self._lock:
                 self._present.discard(key)
                 self.stats.misses += 1
-            log.info("compile cache: miss %s (listed, then gone)", _short(key))
+            log.info("compile cache: miss %s (%s: listed, then gone)", _short(key), self.tier)
             return None
         except Exception as err:
             self._disable(f"reading {_short(key)} failed: {type(err).__name__}: {err}")
@@ -199,9 +273,15 @@ class GuardedCache(CacheInterface):
             else:
                 self.stats.hits += 1
         if payload is None:
-            log.warning("compile cache: entry %s is damaged (%d bytes); compiling it again", _short(key), len(blob))
+            log.warning(
+                "compile cache: entry %s is damaged (%s, %d bytes); compiling it again",
+                _short(key),
+                self.tier,
+                len(blob),
+            )
             return None
-        log.info("compile cache: hit %s (%d bytes, read in %.2fs)", _short(key), len(blob), time.monotonic() - started)
+        took = time.monotonic() - started
+        log.info("compile cache: hit %s (%s, %d bytes, read in %.2fs)", _short(key), self.tier, len(blob), took)
         return payload
 
     def put(self, key: str, value: bytes) -> None:
@@ -226,7 +306,7 @@ class GuardedCache(CacheInterface):
                     with self._lock:
                         self.stats.writes += 1
                     took = time.monotonic() - started
-                    log.info("compile cache: wrote %s (%d bytes in %.2fs)", _short(key), len(blob), took)
+                    log.info("compile cache: wrote %s (%s, %d bytes in %.2fs)", _short(key), self.tier, len(blob), took)
             except Exception as err:
                 self._disable(f"writing {_short(key)} failed: {type(err).__name__}: {err}")
             finally:
@@ -253,8 +333,109 @@ class GuardedCache(CacheInterface):
 
     def summary(self) -> str:
         s = self.stats
-        state = f"off ({self._disabled})" if self._disabled else "on"
-        return f"{self.directory}: {s.hits} hits, {s.misses} misses, {s.corrupt} damaged, {s.writes} writes, {state}"
+        state = f"off ({self._disabled})" if self._disabled else f"not read ({self._unread})" if self._unread else "on"
+        counts = f"{s.hits} hits, {s.misses} misses, {s.corrupt} damaged, {s.writes} writes"
+        return f"{self.tier} {self.directory}: {counts}, {state}"
+
+
+class TieredCache(CacheInterface):
+    """This process's own tier (the pod's volume, which a restart in place keeps), then the shared one.
+
+    A key found in neither is compiled and written to both, though to the shared tier by process 0 only
+    (JAX's one writer: `_cache_write` is only widened to the other processes for the own tier); an entry
+    read from the shared tier is copied into the own tier, so the next restart in place reads it there."""
+
+    def __init__(self, local: GuardedCache | None, shared: GuardedCache | None):
+        self.tiers = [t for t in (local, shared) if t is not None]
+        assert self.tiers, "a tiered cache needs a tier"
+        self.local, self.shared = local, shared
+        self._path = self.tiers[-1]._path  # JAX reads it for its logs
+
+    def prefetch(self) -> None:
+        for tier in self.tiers:
+            tier.prefetch()
+
+    def get(self, key: str) -> bytes | None:
+        if self.local is not None and (value := self.local.get(key)) is not None:
+            return value
+        if self.shared is None or (value := self.shared.get(key)) is None:
+            return None
+        if self.local is not None:
+            self.local.put(key, value)
+        return value
+
+    def put(self, key: str, value: bytes) -> None:
+        if self.local is not None:
+            self.local.put(key, value)
+        if self.shared is not None and _process_id() == 0:
+            self.shared.put(key, value)
+
+    def flush(self, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        for tier in self.tiers:
+            tier.flush(max(0.0, deadline - time.monotonic()))
+
+    def summary(self) -> str:
+        return "; ".join(tier.summary() for tier in self.tiers)
+
+    @property
+    def stats(self) -> Stats:
+        """The tiers' counts added up (a key missed in the own tier and hit in the shared one counts both)."""
+        fields = [f.name for f in dataclasses.fields(Stats)]
+        return Stats(**{f: sum(getattr(t.stats, f) for t in self.tiers) for f in fields})
+
+
+def _process_id() -> int:
+    return int(jax_distributed.global_state.process_id or 0)
+
+
+_CACHE_WRITE_PARAMETERS = ["cache_key", "compile_time_secs", "module_name", "backend", "executable", "host_callbacks"]
+
+
+def _every_process_writes(original: Callable[..., None]) -> Callable[..., None]:
+    """JAX's `_cache_write` (jax/_src/compiler.py), which returns at once on any process but 0, widened
+    to every process with JAX's other rules kept (no host callbacks, the minimum compile time); the
+    TieredCache sends a non-zero process's entries to its own tier only."""
+
+    @functools.wraps(original)
+    def cache_write(
+        cache_key: str,
+        compile_time_secs: float,
+        module_name: str,
+        backend: Any,
+        executable: Any,
+        host_callbacks: Any,
+    ) -> None:
+        if _process_id() == 0:
+            original(cache_key, compile_time_secs, module_name, backend, executable, host_callbacks)
+            return
+        if host_callbacks or compile_time_secs < jax_config.persistent_cache_min_compile_time_secs.value:
+            return
+        try:
+            jax_cc.put_executable_and_time(cache_key, module_name, executable, backend, int(compile_time_secs))
+        except Exception as err:  # as JAX's own: a failed write is a warning, never the compile's failure
+            log.warning("compile cache: writing %s failed: %s: %s", module_name, type(err).__name__, err)
+
+    cache_write.tpujob_original = original  # type: ignore[attr-defined]
+    return cache_write
+
+
+def _widen_cache_write() -> bool:
+    """Make every process write its entries (for its own tier); False where this JAX's `_cache_write`
+    is not the one this was written against (then only process 0's own tier fills)."""
+    current = getattr(jax_compiler, "_cache_write", None)
+    if current is None:
+        return False
+    if hasattr(current, "tpujob_original"):
+        return True
+    try:
+        parameters = list(inspect.signature(current).parameters)
+    except (TypeError, ValueError):
+        return False
+    if parameters != _CACHE_WRITE_PARAMETERS:
+        return False
+    jax_compiler._cache_write = _every_process_writes(current)
+    return True
 
 
 def _short(key: str) -> str:
@@ -277,14 +458,20 @@ def _key_hook() -> str:
     return _cpu_identity() if jax.default_backend() == "cpu" else ""
 
 
-def install(directory: str | None, timeout_s: float, env: Mapping[str, str] = os.environ) -> GuardedCache | None:
-    """Make JAX use the cache in `directory` (None: no persistent cache at all, JAX's own included).
+def install(
+    directory: str | None,
+    timeout_s: float,
+    env: Mapping[str, str] = os.environ,
+    local_directory: str | None = None,
+) -> TieredCache | None:
+    """Make JAX use the cache: this process's own tier in `local_directory` (None: none), then the shared
+    one in `directory` (None: none); neither: no persistent cache at all, JAX's own included.
 
     Call before the first compile. Entries of every compile time are written (unless the user set
     JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS): on a restart even a small compile costs more than
     reading its entry, and the directory listing makes a miss free.
     """
-    if directory is None:
+    if directory is None and local_directory is None:
         jax.config.update("jax_enable_compilation_cache", False)  # type: ignore[no-untyped-call]
         log.info("compile cache: off")
         return None
@@ -295,10 +482,15 @@ def install(directory: str | None, timeout_s: float, env: Mapping[str, str] = os
         return None
     if MIN_COMPILE_TIME_ENV not in env:
         jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)  # type: ignore[no-untyped-call]
-    cache = GuardedCache(directory, timeout_s)
+    local = GuardedCache(local_directory, timeout_s, tier="local") if local_directory else None
+    shared = GuardedCache(directory, timeout_s) if directory else None
+    if local is not None and not _widen_cache_write():
+        why = "writes from process 0 only: the other processes' own tiers stay empty"
+        log.warning("compile cache: this JAX (%s) %s", jax.__version__, why)
+    cache = TieredCache(local, shared)
     jax_cache_key.custom_hook = _key_hook  # JAX's own extension point of the key
     with jax_cc._cache_initialized_mutex:
         jax_cc._cache = cache
         jax_cc._cache_initialized = True  # JAX's own initialisation (its LRUCache) never runs
-    log.info("compile cache: %s", directory)
+    log.info("compile cache: %s", ", then ".join(f"{t.tier} {t.directory}" for t in cache.tiers))
     return cache

@@ -104,6 +104,7 @@ class RunConfig:
     # (exit 3, not counted): record_unwritable_limit()
     record_unwritable_limit_seconds: float
     compilation_cache_dir: str | None = None  # persistent JAX compilation cache; None = off
+    local_compilation_cache_dir: str | None = None  # this process's own tier of it, read first; None = none
     local_tier: LocalTierConfig | None = None  # the local checkpoint tier; None = GCS alone
 
 
@@ -122,6 +123,18 @@ def compilation_cache_dir(env: Mapping[str, str], run_dir: str | None) -> str | 
     if jax_dir:
         return jax_dir.rstrip("/")
     return f"{run_dir}/{contract.COMPILATION_CACHE_DIR}" if run_dir else None
+
+
+def local_compilation_cache_dir(env: Mapping[str, str]) -> str | None:
+    """TPUJOB_LOCAL_COMPILATION_CACHE_DIR (the pod's own volume, which an in-place restart keeps), a local
+    path; None when unset, or when TPUJOB_COMPILATION_CACHE_DIR turns the cache off ("" or "off")."""
+    if COMPILATION_CACHE_ENV in env and env[COMPILATION_CACHE_ENV].strip().lower() in ("", "off"):
+        return None
+    directory = env.get(Env.LOCAL_COMPILATION_CACHE_DIR, "").strip().rstrip("/")
+    if not directory:
+        return None
+    _require(not directory.startswith("gs://"), f"{Env.LOCAL_COMPILATION_CACHE_DIR}={directory!r}: a local path")
+    return directory
 
 
 def _int(env: Mapping[str, str], name: str, default: int) -> int:
@@ -259,6 +272,7 @@ def run_config(env: Mapping[str, str]) -> RunConfig:
         storage_wait_seconds=_storage_seconds(env, STORAGE_WAIT_ENV, DEFAULT_STORAGE_WAIT_SECONDS),
         record_unwritable_limit_seconds=record_unwritable_limit(env),
         compilation_cache_dir=compilation_cache_dir(env, run_dir),
+        local_compilation_cache_dir=local_compilation_cache_dir(env),
         # Only beside the GCS tier: restoring it needs GCS's latest step to compare with.
         local_tier=local_tier_config(env) if run_dir else None,
     )

@@ -323,13 +323,31 @@ LOCAL_TIER_VOLUME = "local-checkpoints"
 def _with_local_tier(local: LocalCheckpointSpec, container: dict[str, Any], pod_spec: dict[str, Any]) -> None:
     """The trainer's local tier: a memory-backed emptyDir, which lives as long as the pod (through
     in-place restarts), and the env that points the trainer at it."""
-    pod_spec["volumes"] = [{"name": LOCAL_TIER_VOLUME, "emptyDir": {"medium": "Memory", "sizeLimit": local.size_limit}}]
-    container["volumeMounts"] = [{"name": LOCAL_TIER_VOLUME, "mountPath": contract.LOCAL_CHECKPOINT_MOUNT}]
+    volume = {"name": LOCAL_TIER_VOLUME, "emptyDir": {"medium": "Memory", "sizeLimit": local.size_limit}}
+    pod_spec["volumes"] = [*pod_spec.get("volumes", []), volume]
+    mount = {"name": LOCAL_TIER_VOLUME, "mountPath": contract.LOCAL_CHECKPOINT_MOUNT}
+    container["volumeMounts"] = [*container.get("volumeMounts", []), mount]
     container["env"] = [
         *container["env"],
         _env(contract.Env.LOCAL_CHECKPOINT_DIR, contract.LOCAL_CHECKPOINT_MOUNT),
         _env(contract.Env.LOCAL_CHECKPOINT_INTERVAL_STEPS, local.interval_steps),
         _env(contract.Env.LOCAL_CHECKPOINT_OVERHEAD_BUDGET_PERCENT, local.overhead_budget_percent),
+    ]
+
+
+COMPILE_CACHE_VOLUME = "compile-cache"
+
+
+def _with_own_compile_cache(container: dict[str, Any], pod_spec: dict[str, Any]) -> None:
+    """InPlace workers: each process's own compilation cache on an emptyDir (the node's disk), which
+    outlives a restart in place, so the restarted process reads its executables instead of compiling
+    (the trainer reads it before the shared cache in the run directory). A new pod starts it empty."""
+    pod_spec["volumes"] = [*pod_spec.get("volumes", []), {"name": COMPILE_CACHE_VOLUME, "emptyDir": {}}]
+    mount = {"name": COMPILE_CACHE_VOLUME, "mountPath": contract.LOCAL_COMPILATION_CACHE_MOUNT}
+    container["volumeMounts"] = [*container.get("volumeMounts", []), mount]
+    container["env"] = [
+        *container["env"],
+        _env(contract.Env.LOCAL_COMPILATION_CACHE_DIR, contract.LOCAL_COMPILATION_CACHE_MOUNT),
     ]
 
 
@@ -367,6 +385,7 @@ def _in_place(
         _env("WORKER_COMMAND", worker_command(worker)),
         _env("SHELL", WORKER_SHELL),
     ]
+    _with_own_compile_cache(container, pod_spec)
     container["restartPolicy"] = "Never"
     container["restartPolicyRules"] = [
         {"action": restart_action, "exitCodes": {"operator": "NotIn", "values": list(NOT_RESTARTED_EXIT_CODES)}}

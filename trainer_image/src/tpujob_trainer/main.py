@@ -94,7 +94,9 @@ def _train(
 
 def run(cfg: Config, process_started_at: str | None = None) -> ExitCode:
     batch_of_step = _batches(cfg.train)  # a bad --data exits 2 here, before any peer or storage waits on it
-    cache = compile_cache.install(cfg.compilation_cache_dir, cfg.storage_timeout_seconds)  # before any compile
+    cache = compile_cache.install(
+        cfg.compilation_cache_dir, cfg.storage_timeout_seconds, local_directory=cfg.local_compilation_cache_dir
+    )  # before any compile
     distributed = attempt.init_distributed(cfg)
     notice = PreemptionNotice(distributed)
     tc = cfg.train
