@@ -274,6 +274,7 @@ class Group:
     step: int = 0
     restored: int | None = None
     stopping_at: int | None = None  # the step all agreed to stop at (SIGTERM save)
+    first_step_at: int | None = None  # its first step finished (the record says so from then on)
     hung: bool = False
     done: bool = False
 
@@ -535,12 +536,11 @@ class World:
         group.started, group.restored = self.now, latest
         group.step = latest or 0
         del pin  # the newest committed step is at least the pin: the pin rule never goes back
-        self._write_progress(group, first=True)
+        self._write_progress(group)
 
-    def _write_progress(self, group: Group, first: bool = False) -> None:
+    def _write_progress(self, group: Group) -> None:
         if self.storage.blind_for_workers(self.now):
             return  # the write hangs; the next one after the outage carries the news
-        previous = self.storage.progress
         started = stamp(group.started or self.now)
         self.storage.progress = contract.ProgressRecord(
             step=group.step,
@@ -554,11 +554,7 @@ class World:
             process_started_at=started,
             restore_started_at=started,
             restore_finished_at=started,
-            first_step_at=(
-                stamp(self.now + 1)
-                if first
-                else (previous.first_step_at if previous and previous.attempt == group.attempt else started)
-            ),
+            first_step_at=None if group.first_step_at is None else stamp(group.first_step_at),
         )
 
     def _commit_saves(self) -> None:
@@ -588,6 +584,8 @@ class World:
         if not self._healthy(group):
             return  # a peer is gone: the others wait in a collective
         group.step += 1
+        if group.first_step_at is None:
+            group.first_step_at = self.now
         self._write_progress(group)
         if group.step >= self.config.final_step:
             group.done = True

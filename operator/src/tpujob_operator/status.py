@@ -120,11 +120,12 @@ def moved_resume_point(lost_steps: int, failure: FailureRecord, step: int) -> tu
 
 def recovering_record(failure: FailureRecord, progress: contract.ProgressRecord) -> bool:
     """Whether a record of the current attempt can be the recovery's: after an in-place restart the
-    attempt is the same, so only a process started after the failure is."""
+    attempt is the same, so only a process started after the failure is (a restart takes time: one
+    stamped with the failure's own time started before it)."""
     if failure.rung != IN_PLACE:
         return True
     started, failed = parse_time(progress.process_started_at), parse_time(failure.time)
-    return started is not None and failed is not None and started >= failed
+    return started is not None and failed is not None and started > failed
 
 
 def failure_identity(failure: FailureRecord) -> tuple[str, str, str]:
