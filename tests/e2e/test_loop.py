@@ -15,7 +15,9 @@ from tpujob_devcluster.cluster import BUCKET
 
 from .conftest import E2E
 
-STEPS = 80
+# Long enough that the kill lands mid-training even when the operator reports the first commit late on
+# a loaded machine (at 80 steps a CI run's faulty job had finished before the kill).
+STEPS = 400
 DIGEST = os.path.join(os.path.dirname(__file__), "..", "trainer", "digest.py")
 
 
