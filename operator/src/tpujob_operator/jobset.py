@@ -323,10 +323,8 @@ LOCAL_TIER_VOLUME = "local-checkpoints"
 def _with_local_tier(local: LocalCheckpointSpec, container: dict[str, Any], pod_spec: dict[str, Any]) -> None:
     """The trainer's local tier: a memory-backed emptyDir, which lives as long as the pod (through
     in-place restarts), and the env that points the trainer at it."""
-    volume = {"name": LOCAL_TIER_VOLUME, "emptyDir": {"medium": "Memory", "sizeLimit": local.size_limit}}
-    pod_spec["volumes"] = [*pod_spec.get("volumes", []), volume]
-    mount = {"name": LOCAL_TIER_VOLUME, "mountPath": contract.LOCAL_CHECKPOINT_MOUNT}
-    container["volumeMounts"] = [*container.get("volumeMounts", []), mount]
+    memory = {"medium": "Memory", "sizeLimit": local.size_limit}
+    _with_empty_dir(container, pod_spec, LOCAL_TIER_VOLUME, memory, contract.LOCAL_CHECKPOINT_MOUNT)
     container["env"] = [
         *container["env"],
         _env(contract.Env.LOCAL_CHECKPOINT_DIR, contract.LOCAL_CHECKPOINT_MOUNT),
@@ -338,13 +336,19 @@ def _with_local_tier(local: LocalCheckpointSpec, container: dict[str, Any], pod_
 COMPILE_CACHE_VOLUME = "compile-cache"
 
 
+def _with_empty_dir(
+    container: dict[str, Any], pod_spec: dict[str, Any], name: str, source: dict[str, Any], mount_path: str
+) -> None:
+    """An emptyDir volume of the pod (it outlives an in-place restart, not the pod), mounted in `container`."""
+    pod_spec["volumes"] = [*pod_spec.get("volumes", []), {"name": name, "emptyDir": source}]
+    container["volumeMounts"] = [*container.get("volumeMounts", []), {"name": name, "mountPath": mount_path}]
+
+
 def _with_own_compile_cache(container: dict[str, Any], pod_spec: dict[str, Any]) -> None:
     """InPlace workers: each process's own compilation cache on an emptyDir (the node's disk), which
     outlives a restart in place, so the restarted process reads its executables instead of compiling
     (the trainer reads it before the shared cache in the run directory). A new pod starts it empty."""
-    pod_spec["volumes"] = [*pod_spec.get("volumes", []), {"name": COMPILE_CACHE_VOLUME, "emptyDir": {}}]
-    mount = {"name": COMPILE_CACHE_VOLUME, "mountPath": contract.LOCAL_COMPILATION_CACHE_MOUNT}
-    container["volumeMounts"] = [*container.get("volumeMounts", []), mount]
+    _with_empty_dir(container, pod_spec, COMPILE_CACHE_VOLUME, {}, contract.LOCAL_COMPILATION_CACHE_MOUNT)
     container["env"] = [
         *container["env"],
         _env(contract.Env.LOCAL_COMPILATION_CACHE_DIR, contract.LOCAL_COMPILATION_CACHE_MOUNT),
@@ -512,6 +516,7 @@ def jobset_facts(
     resumed = _condition(conditions, "Suspended", "False")
     pod_list = tuple(pod_facts(p) for p in pods)
     in_place = ((jobset.get("spec") or {}).get("failurePolicy") or {}).get("restartStrategy") == IN_PLACE_STRATEGY
+    rounds = in_place_rounds(jobset, pod_list) if in_place else (0, 0)
     return JobSetFacts(
         name=meta["name"],
         attempt=int((meta.get("labels") or {}).get(LABEL_ATTEMPT, "0")),
@@ -534,30 +539,23 @@ def jobset_facts(
         admitted_at=admission[0],
         queue_reason=admission[1],
         in_place=in_place,
-        in_place_round=in_place_round(jobset, pod_list) if in_place else 0,
-        pods_in_place_round=pods_in_place_round(_current_round(jobset), pod_list) if in_place else 0,
+        in_place_round=rounds[0],
+        pods_in_place_round=rounds[1],
     )
 
 
-def _current_round(jobset: dict[str, Any]) -> int:
-    return int((jobset.get("status") or {}).get("currentInPlaceRestartAttempt") or 0)
-
-
-def in_place_round(jobset: dict[str, Any], pods: tuple[PodFacts, ...]) -> int:
-    """The highest in-place restart round begun (jobset_facts)."""
+def in_place_rounds(jobset: dict[str, Any], pods: tuple[PodFacts, ...]) -> tuple[int, int]:
+    """The highest in-place restart round begun (JobSet's current and previous attempt counters, and what
+    the pods show), and the highest the pods alone show: their agents' annotations, and a failed pod's
+    round + 1 (the JobSet's current round + 1 when it failed before its agent annotated it)."""
     status = jobset.get("status") or {}
     current, previous = status.get("currentInPlaceRestartAttempt"), status.get("previousInPlaceRestartAttempt")
-    rounds = [int(current or 0), int(previous) + 1 if previous is not None else 0]
-    return max(*rounds, pods_in_place_round(int(current or 0), pods))
-
-
-def pods_in_place_round(current: int, pods: tuple[PodFacts, ...]) -> int:
-    """The highest in-place round the pods themselves show begun (`current`: the JobSet's current round)."""
-    rounds = [0]
+    shown = [0]
     for pod in pods:
         at = pod.in_place_attempt
         if at is not None:
-            rounds.append(at + 1 if pod.phase == "Failed" else at)
+            shown.append(at + 1 if pod.phase == "Failed" else at)
         elif pod.phase == "Failed":  # failed before its agent annotated it
-            rounds.append(current + 1)
-    return max(rounds)
+            shown.append(int(current or 0) + 1)
+    counted = [int(current or 0), int(previous) + 1 if previous is not None else 0]
+    return max(*counted, *shown), max(shown)
