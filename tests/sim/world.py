@@ -697,13 +697,18 @@ class World:
                 ):
                     if js.waits_for_old_pods and any(p.slice == index and not p.ended() for p in pods):
                         continue  # the previous run's pod of this slice still terminates
-                    self._serial += 1
-                    name = f"{js.name}-slice-{index}-0-{self._serial}"
-                    self.pods[name] = Pod(name, js.name, js.attempt, js.uid, index, js.run, self.now)
+                    pod = self._create_pod(js, index)
                     key = (js.name, js.run)
                     group = self.groups.setdefault(key, Group(key, js.attempt, js.uid, []))
-                    group.pods.append(name)
-                    self.changed = True
+                    group.pods.append(pod.name)
+
+    def _create_pod(self, js: JobSet, index: int) -> Pod:
+        """The Job controller's pod for slice `index` of the JobSet's current run."""
+        self._serial += 1
+        pod = Pod(f"{js.name}-slice-{index}-0-{self._serial}", js.name, js.attempt, js.uid, index, js.run, self.now)
+        self.pods[pod.name] = pod
+        self.changed = True
+        return pod
 
     def _in_place_rounds(self, js: JobSet, pods: list[Pod]) -> None:
         """JobSet's InPlaceRestart with its agents (JobSet v0.12, pkg/controllers/in_place_restart.go and
@@ -720,10 +725,7 @@ class World:
             return
         for index in range(js.slices):
             if index not in done and not any(p.slice == index and not p.ended() for p in pods):
-                self._serial += 1
-                name = f"{js.name}-slice-{index}-0-{self._serial}"
-                self.pods[name] = Pod(name, js.name, js.attempt, js.uid, index, js.run, self.now)
-                self.changed = True
+                self._create_pod(js, index)
         live = [p for p in self._pods_of(js) if p.phase != "Failed"]
         rounds = [p.in_place_attempt for p in live if p.in_place_attempt is not None]
         restarts = max((p.restart_count for p in live), default=0)
