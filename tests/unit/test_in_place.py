@@ -260,6 +260,45 @@ def test_a_pod_that_failed_in_an_earlier_round_says_nothing_of_the_next_one():
     assert (failure.kind, failure.reason, failure.counted, failure.slice) == ("ApplicationError", "ExitCode1", True, 1)
 
 
+def test_a_lost_nodes_pod_marked_failed_after_its_rounds_failure_says_nothing_of_the_next_round():
+    # Round 1: slice 1's trainer crashes at T0 and, in the same round, slice 0's node goes away; its pod
+    # is marked Failed two seconds later (after the failure the round is recorded with) and stays in the API.
+    lost = PodFacts(
+        "llama-a0-slice-0-0", 0, "Failed", disruption_reason="DeletionByTaintManager",
+        finished_at=T0 + timedelta(seconds=2), in_place_attempt=0,
+    )  # fmt: skip
+    observed = _observed(_jobset(pods=(lost, _crashed(in_place_attempt=1))), now=T0 + timedelta(seconds=4))
+    first, _ = reconcile(_job({"step": 130}), observed)
+    assert first.in_place_round == 1
+    # Round 2, a minute later: slice 1's trainer crashes again. The lost node's pod joined no round
+    # since round 0: it is not this round's cause, and this crash is the job's, counted.
+    later = T0 + timedelta(seconds=60)
+    crashed = dataclasses.replace(_crashed(at=later, in_place_attempt=2), restart_count=2)
+    replacement = _worker("llama-a0-slice-0-1", 0, in_place_attempt=2, restart_count=1)
+    observed = _observed(_jobset(round_=2, pods=(lost, crashed, replacement)), now=later + timedelta(seconds=2))
+    second, _ = reconcile(_job().model_copy(update={"status": first}), observed)
+    failure = second.last_failure
+    assert (failure.kind, failure.reason, failure.counted, failure.slice) == ("ApplicationError", "ExitCode1", True, 1)
+
+
+def test_an_in_place_jobset_that_failed_before_the_pods_show_why_waits_a_bounded_while_for_the_pod_watch():
+    # The rung is spent: JobSet failed the attempt on a crash whose pod the watch has not delivered yet.
+    # A replacement pod is all it shows: deciding now would make the crash a deleted pod, not counted.
+    replacement = _worker("llama-a0-slice-0-1", 0, in_place_attempt=1)
+    failed = dataclasses.replace(_jobset(pods=(replacement, _worker()), state="Failed"), ended_at=T0)
+    status, actions = reconcile(_job(), _observed(failed, now=T0 + timedelta(seconds=1)))
+    assert status.last_failure is None and actions.create_attempt is None
+    assert actions.requeue_after is not None and actions.requeue_after <= 2
+    # The crash's news arrives: the job's failure, counted.
+    shown = dataclasses.replace(failed, pods=(replacement, _crashed(at=T0)))
+    status, _ = reconcile(_job(), _observed(shown, now=T0 + timedelta(seconds=3)))
+    failure = status.last_failure
+    assert (failure.kind, failure.reason, failure.counted, failure.slice) == ("ApplicationError", "ExitCode1", True, 1)
+    # No news for the whole wait: decided as the pods show it.
+    status, _ = reconcile(_job(), _observed(failed, now=T0 + timedelta(seconds=31)))
+    assert status.last_failure is not None and status.last_failure.reason == "WorkerPodDeleted"
+
+
 def test_resuming_a_suspended_in_place_job_starts_a_fresh_attempt_and_counts_its_own_rounds():
     # New pods of the same JobSet would have fresh agents join round current + 1, as if a worker failed.
     status = {"phase": "Suspended", "attempt": 0, "inPlaceRound": 1}

@@ -207,7 +207,9 @@ def _decide(tj: TrainingJob, observed: Observed) -> tuple[TrainingJobStatus, Act
     # other pods to terminate before it marks the Job failed.
     if current.state == "Failed" or any(p.phase == "Failed" for p in current.pods):
         if current.in_place:
-            failure = classify_in_place_round(current, _last_failure_time(status), observed.nodes, now)
+            failure = classify_in_place_round(
+                current, _last_failure_time(status), status.in_place_round, observed.nodes, now
+            )
         else:
             failure = classify_jobset_failure(current, observed.nodes, now)
         # A failure that would count waits (briefly) while a pod still runs: it may be the dead host's,
@@ -947,7 +949,9 @@ def _in_place(
             # round (a failed run, a replacement) has not arrived yet.
             actions.requeue_after = POD_NEWS_RECHECK_SECONDS
             return status, actions
-        failure = classify_in_place_round(current, _last_failure_time(status), observed.nodes, now)
+        failure = classify_in_place_round(
+            current, _last_failure_time(status), status.in_place_round, observed.nodes, now
+        )
         if (wait := node_verdict_wait(current, failure, observed.nodes, now)) is not None:
             actions.requeue_after = wait
             return status, actions

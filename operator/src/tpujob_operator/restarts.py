@@ -166,13 +166,15 @@ def with_node_evidence(
 def classify_in_place_round(
     jobset: JobSetFacts,
     after: datetime | None,
+    recorded_round: int = 0,
     nodes: Mapping[str, NodeFacts] | None = None,
     now: datetime | None = None,
 ) -> Failure:
     """Why JobSet restarts the workers in place: as classify_jobset_failure, over the failed pods and the
     containers whose last run failed (their lastState) after `after` (the failure recorded before this
-    round: a container's lastState outlives its round)."""
-    runs = tuple(run for run in (_last_run(p, after) for p in jobset.pods) if run is not None)
+    round: a container's lastState outlives its round), leaving out the pods that failed in a round
+    before `recorded_round` (the last round the operator recorded)."""
+    runs = tuple(run for run in (_last_run(p, after, recorded_round) for p in jobset.pods) if run is not None)
     asked = f"JobSet {jobset.name} restarted its workers in place (round {jobset.in_place_round})"
     failure = classify_jobset_failure(
         dataclasses.replace(jobset, pods=runs, condition_reason="InPlaceRestart", condition_message=asked), nodes, now
@@ -195,12 +197,16 @@ def _replacement(pod: PodFacts) -> bool:
     return pod.restart_count == 0 and (pod.in_place_attempt or 0) > 0 and pod.phase not in POD_ENDED_PHASES
 
 
-def _last_run(pod: PodFacts, after: datetime | None) -> PodFacts | None:
+def _last_run(pod: PodFacts, after: datetime | None, recorded_round: int) -> PodFacts | None:
     """The pod as its failure is classified: a failed pod as it is, a restarted one as its last run ended;
     None for a pod that failed in a round recorded before (its Job replaced it: it stays in the API, and
-    neither its failure nor its node says anything of this round)."""
+    neither its failure nor its node says anything of this round). A pod whose agent last joined a round
+    before the recorded one failed in a recorded round, whenever its phase was written (a lost node's
+    pod is marked Failed seconds after the failure that began its round)."""
     if pod.phase == "Failed":
         ended = pod.finished_at or pod.disruption_since
+        if pod.in_place_attempt is not None and pod.in_place_attempt < recorded_round:
+            return None
         return None if after is not None and ended is not None and ended <= after else pod
     if pod.last_exit_code is None:
         return pod
@@ -255,10 +261,14 @@ def _running(pod: PodFacts) -> bool:
 def pod_news_wait(jobset: JobSetFacts, failure: Failure, now: datetime) -> float | None:
     """Seconds to hold the decision on a failed JobSet that no pod explains (WorkerPodDeleted, or Unknown
     while a pod still shows running): the pod watch may lag the JobSet's, and a crashed pod, which
-    stays in the API, shows up within that lag; a deleted one never does. None: decide now."""
-    if jobset.in_place or jobset.state != "Failed" or jobset.ended_at is None:
-        return None  # an in-place round's pods run on
-    if failure.kind not in ("Unknown", "Preemption") or any(classify_pod(p) for p in jobset.pods):
+    stays in the API, shows up within that lag; a deleted one never does. An InPlace JobSet that failed
+    (its rounds spent) waits alike for the run that ended its last round. None: decide now."""
+    if jobset.state != "Failed" or jobset.ended_at is None:
+        return None  # an in-place round's pods run on: _in_place holds until they show the round
+    if failure.kind not in ("Unknown", "Preemption"):
+        return None
+    explained = failure.time is not None if jobset.in_place else any(classify_pod(p) for p in jobset.pods)
+    if explained:
         return None
     left = FAILED_JOBSET_POD_WAIT_SECONDS - (now - jobset.ended_at).total_seconds()
     return min(left, POD_NEWS_RECHECK_SECONDS) if left > 0 else None
