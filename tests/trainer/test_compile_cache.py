@@ -162,34 +162,58 @@ def _uninterrupted_without_cache(job: Job, tmp_path: Path) -> dict[str, str]:
         plain.kill_all()
 
 
+def _restart_in_place_until_it_trains(job: Job, own: Any) -> list[str]:
+    """A restart in place (the same volumes) SIGKILLed once each process has logged 3 steps; its outputs."""
+    attempt = job.start(OWN_ARGS, processes=2, process_env=own)
+    attempt.wait_until(lambda: len(re.findall(r"^step \d+/", attempt.output(0), re.MULTILINE)) >= 3, quiet=240)
+    attempt.signal(signal.SIGKILL)
+    attempt.wait(30)
+    return [attempt.output(index) for index in (0, 1)]
+
+
 @pytest.mark.timeout(900)
-def test_a_restart_in_place_reads_each_process_own_tier(job: Job, tmp_path: Path) -> None:
-    """Two CPU processes (whose keys differ, so the shared cache is off) restarted with their own tiers
-    compile only what the killed processes had not compiled (the restore's few functions: attempt 0
-    started fresh), and restarted once more compile nothing at all: every lookup hits their own
-    entries. The trained state is the same bit for bit as an uninterrupted run without any cache."""
+def test_restarts_in_place_read_each_process_own_tier_and_a_damaged_entry_costs_every_process_a_compile(
+    job: Job, tmp_path: Path
+) -> None:
+    """Two CPU processes (whose keys differ, so the shared cache is off), restarted in place with their
+    own tiers:
+    - the first restart compiles only what the killed processes had not compiled (the restore's few
+      functions: attempt 0 started fresh);
+    - then one process's train step entry gets bytes flipped: its check fails before any lookup, the
+      processes find that their tiers differ, and both compile (one alone would reach the first
+      collective while the other compiles); the fresh compile replaces the entry;
+    - the last restart compiles nothing at all: every lookup hits their own entries.
+    The trained state is the same bit for bit as an uninterrupted run without any cache."""
     _without_jax_cache(job)
     dirs, own = _own_tiers(tmp_path)
     _kill_once_cached(job, dirs, own)
     written = [{p.name[: -len(".xc")] for p in d.iterdir()} for d in dirs]
     assert written[0] != written[1]  # each process's own keys (XLA's CPU topology fingerprint differs)
 
-    first = job.start(OWN_ARGS, processes=2, process_env=own)  # in place: the same volumes
-    first.wait_until(lambda: len(re.findall(r"^step \d+/", first.output(0), re.MULTILINE)) >= 3, quiet=240)
-    first.signal(signal.SIGKILL)
-    first.wait(30)
-    for index in (0, 1):
-        out = first.output(index)
+    for index, out in enumerate(_restart_in_place_until_it_trains(job, own)):
         assert re.search(r"compile cache: hit jit_train_step-\w+ \(local", out), out[-4000:]
         missed = set(re.findall(r"compile cache: miss (\S+) \(local\)", out))
         assert not {_short_key(k) for k in written[index]} & missed, out[-4000:]
         assert " is damaged" not in out and "not read" not in out
+
+    (entry,) = _entries(dirs[1])
+    blob = bytearray(entry.read_bytes())
+    for at in range(len(blob) // 2, len(blob) // 2 + 64):
+        blob[at] ^= 0xFF
+    entry.write_bytes(bytes(blob))
+    damaged = _restart_in_place_until_it_trains(job, own)
+    assert re.search(r"compile cache: entry jit_train_step-\w+ is damaged \(local", damaged[1]), damaged[1][-4000:]
+    for out in damaged:
+        assert "the processes' tiers differ" in out and "compile cache: hit" not in out, out[-4000:]
+        assert re.search(r"compile cache: miss jit_train_step-\w+ \(local\)", out), out[-4000:]
+    assert "compile cache: wrote jit_train_step" in damaged[1]  # the damaged entry replaced
+    assert unframe(entry.read_bytes()) is not None
     rewritten = [{p.name for p in d.iterdir()} for d in dirs]
 
-    second = job.start(OWN_ARGS, processes=2, process_env=own)
-    assert second.wait(300) == [0, 0], second.output(0)[-4000:]
+    last = job.start(OWN_ARGS, processes=2, process_env=own)
+    assert last.wait(300) == [0, 0], last.output(0)[-4000:]
     for index in (0, 1):
-        out = second.output(index)
+        out = last.output(index)
         assert "compile cache: miss" not in out, out[-4000:]  # every compile was a lookup that hit: none ran
         assert "compile cache: wrote" not in out and " is damaged" not in out and "not read" not in out
         assert re.search(r"compile cache: local \S+: [1-9]\d* hits, 0 misses, 0 damaged, 0 writes, on", out), out[
@@ -203,32 +227,6 @@ def test_a_restart_in_place_reads_each_process_own_tier(job: Job, tmp_path: Path
 def _short_key(key: str) -> str:
     name, _, digest = key.rpartition("-")
     return f"{name}-{digest[:12]}"
-
-
-@pytest.mark.timeout(900)
-def test_a_damaged_own_entry_costs_every_process_a_compile(job: Job, tmp_path: Path) -> None:
-    """One process's train step entry with bytes flipped: its check fails before any lookup, the
-    processes find that their tiers differ, and both compile (one alone would reach the first
-    collective while the other compiles); the fresh compile replaces the entry; same parameters."""
-    _without_jax_cache(job)
-    dirs, own = _own_tiers(tmp_path)
-    _kill_once_cached(job, dirs, own)
-    (entry,) = _entries(dirs[1])
-    blob = bytearray(entry.read_bytes())
-    for at in range(len(blob) // 2, len(blob) // 2 + 64):
-        blob[at] ^= 0xFF
-    entry.write_bytes(bytes(blob))
-
-    restarted = job.start(OWN_ARGS, processes=2, process_env=own)
-    assert restarted.wait(300) == [0, 0], restarted.output(0)[-4000:]
-    assert re.search(r"compile cache: entry jit_train_step-\w+ is damaged \(local", restarted.output(1))
-    for index in (0, 1):
-        out = restarted.output(index)
-        assert "the processes' tiers differ" in out and "compile cache: hit" not in out, out[-4000:]
-        assert re.search(r"compile cache: miss jit_train_step-\w+ \(local\)", out), out[-4000:]
-    assert "compile cache: wrote jit_train_step" in restarted.output(1)  # the damaged entry replaced
-    assert unframe(entry.read_bytes()) is not None
-    assert job.digest(60) == _uninterrupted_without_cache(job, tmp_path)
 
 
 @pytest.mark.timeout(400)
