@@ -1,5 +1,6 @@
 """spec.elastic: its admission rules, the shrink and grow decisions, the ledger, the JobSet, the metrics."""
 
+import dataclasses
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
@@ -139,7 +140,8 @@ def test_the_smaller_attempt_is_created_once_the_old_pods_are_gone():
     assert (status.phase, _reason(status)) == ("Restarting", "Resizing")
 
 
-def _queued(now: datetime):
+def _queued(now: datetime, admitted: bool = False, pods: tuple[PodFacts, ...] = ()):
+    """Attempt 3 in stage Queued since T0; `admitted`: the status last written said Kueue admitted it."""
     tj = training_job(
         status={
             "phase": "Pending",
@@ -148,23 +150,45 @@ def _queued(now: datetime):
             "stage": "Queued",
             "stageStartTime": rfc3339(T0),
             "conditions": [{"type": "Pending", "status": "True", "reason": "Queued"}],
+            "queue": {"name": "tpu", "admitted": admitted},
         },
         elastic=ELASTIC,
     )
     queued = JobSetFacts(
-        "llama-a3", 3, None, T0, "Suspended", uid=UID, expected_pods=4, slices=2, queue_name="tpu", queue_reason="quota"
-    )
+        "llama-a3", 3, None, T0, "Suspended", uid=UID, expected_pods=4, slices=2, queue_name="tpu",
+        queue_reason="quota", pods=pods,
+    )  # fmt: skip
     return reconcile(tj, Observed(now=now, jobsets=(queued,), latest_committed_step=300, queue_name="tpu"))
 
 
 def test_an_attempt_kueue_does_not_admit_goes_one_size_down_after_shrink_after_seconds():
     status, actions = _queued(T0 + timedelta(seconds=290))
-    assert (status.attempt, status.phase, actions.delete) == (3, "Pending", [])
+    assert (status.attempt, status.phase, actions.delete, actions.stop) == (3, "Pending", [], [])
     assert actions.requeue_after == pytest.approx(10)
     status, actions = _queued(T0 + timedelta(seconds=300))
-    assert actions.delete == ["llama-a3"] and (status.attempt, status.slices) == (4, 1)
+    assert (actions.delete, actions.stop) == ([], ["llama-a3"]) and (status.attempt, status.slices) == (4, 1)
     assert (status.last_resize.reason, _reason(status)) == ("CapacityLost", "Resizing")
     assert "not admitted by Kueue queue tpu for 300s" in status.last_resize.message
+
+
+def test_a_preempted_attempt_waits_shrink_after_seconds_from_the_preemption_and_its_workers_keep_their_save_grace():
+    # Stage Queued since T0 (an outage kept the stage while Kueue admitted the JobSet), preempted now:
+    # the wait for admission starts at the preemption, not at T0.
+    saving = tuple(PodFacts(f"llama-a3-slice-{i}-0", i, "Running", scheduled_at=T0, node=f"n{i}") for i in (0, 1))
+    preempted_at = T0 + timedelta(seconds=400)
+    status, actions = _queued(preempted_at, admitted=True, pods=saving)
+    assert (status.attempt, actions.delete, actions.stop) == (3, [], [])
+    assert status.stage_start_time == rfc3339(preempted_at)
+    assert actions.requeue_after is not None and actions.requeue_after <= 300  # woken by the time it is due
+    # Not admitted for shrinkAfterSeconds since: one size down, the workers stopped with their save grace.
+    later = training_job(status=status.model_dump(by_alias=True, exclude_none=True), elastic=ELASTIC)
+    queued = JobSetFacts(
+        "llama-a3", 3, None, T0, "Suspended", uid=UID, expected_pods=4, slices=2, queue_name="tpu",
+        queue_reason="quota", pods=saving,
+    )  # fmt: skip
+    observed = Observed(now=preempted_at + timedelta(seconds=300), jobsets=(queued,), latest_committed_step=300)
+    status, actions = reconcile(later, dataclasses.replace(observed, queue_name="tpu"))
+    assert (actions.delete, actions.stop, status.attempt, status.slices) == ([], ["llama-a3"], 4, 1)
 
 
 # -- growing -----------------------------------------------------------------------------------------

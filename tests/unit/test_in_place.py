@@ -299,6 +299,37 @@ def test_an_in_place_jobset_that_failed_before_the_pods_show_why_waits_a_bounded
     assert status.last_failure is not None and status.last_failure.reason == "WorkerPodDeleted"
 
 
+def test_a_round_the_fresh_agents_of_a_jobset_kueue_resumed_begin_is_no_failure():
+    # Kueue preempted the JobSet (suspended it) and admitted it again: its new pods' agents join round 1
+    # as a replaced worker's would. Nothing failed; the next real failure counts from round 1.
+    resumed = T0 + timedelta(seconds=30)
+    fresh = tuple(
+        _worker(f"llama-a0-slice-{i}-0", i, in_place_attempt=1, created=resumed + timedelta(seconds=1)) for i in (0, 1)
+    )
+    jobset = dataclasses.replace(_jobset(pods=fresh), resumed_at=resumed, queue_name="team-a")
+    status, actions = reconcile(_job(), _observed(jobset, now=resumed + timedelta(seconds=3)))
+    assert status.last_failure is None and (status.restarts, status.in_place_round) == (0, 1)
+    assert actions.events == []
+    # A crash after that is round 2: the job's, counted.
+    crashed = dataclasses.replace(_crashed(at=resumed + timedelta(seconds=60), in_place_attempt=2), created=resumed)
+    later = dataclasses.replace(_jobset(round_=2, pods=(fresh[0], crashed)), resumed_at=resumed, queue_name="team-a")
+    status, _ = reconcile(
+        _job().model_copy(update={"status": status}), _observed(later, now=resumed + timedelta(seconds=62))
+    )
+    failure = status.last_failure
+    assert (failure.kind, failure.counted, status.in_place_round, status.restarts) == ("ApplicationError", True, 2, 1)
+
+
+def test_a_round_begun_by_an_earlier_resume_is_no_failure_while_the_pod_watch_shows_that_resumes_pods():
+    # Preempted and admitted twice: the watch still shows the first resume's pods (fresh, at round 1),
+    # created before the last resume; none of the last resume's pods has arrived yet.
+    first, last = T0 + timedelta(seconds=30), T0 + timedelta(seconds=60)
+    shown = tuple(_worker(f"llama-a0-slice-{i}-0", i, in_place_attempt=1, created=first) for i in (0, 1))
+    jobset = dataclasses.replace(_jobset(pods=shown), resumed_at=last, queue_name="team-a")
+    status, _ = reconcile(_job(), _observed(jobset, now=last + timedelta(seconds=1)))
+    assert status.last_failure is None and (status.restarts, status.in_place_round) == (0, 1)
+
+
 def test_resuming_a_suspended_in_place_job_starts_a_fresh_attempt_and_counts_its_own_rounds():
     # New pods of the same JobSet would have fresh agents join round current + 1, as if a worker failed.
     status = {"phase": "Suspended", "attempt": 0, "inPlaceRound": 1}

@@ -2,6 +2,7 @@
 makes of it. Node bodies are written as the apiserver returns them (what kubelet, the node lifecycle
 controller, the cluster autoscaler and GKE write)."""
 
+import dataclasses
 from dataclasses import replace
 from datetime import UTC, datetime, timedelta
 from typing import Any
@@ -442,3 +443,25 @@ def test_a_silence_while_a_node_under_the_job_is_unreachable_is_the_infrastructu
     assert not cut_off.last_failure.counted and cut_off.counted_restarts == 0
     healthy = decided(_node("a"), _node("b"))
     assert (healthy.last_failure.kind, healthy.last_failure.counted, healthy.counted_restarts) == ("Hang", True, 1)
+
+
+def test_a_silence_of_trainers_left_on_unreachable_nodes_by_a_resume_is_the_infrastructures_not_a_counted_hang():
+    """Kueue preempted the JobSet while its nodes were cut off: its pods could not end and their trainers
+    trained on, and it was admitted again (the new pods wait for the old ones to go). The old pods are
+    from before the resume, yet their nodes still explain the silence."""
+    tj = training_job(
+        restart={"hangTimeoutSeconds": 60}, status={"phase": "Running", "attempt": 0, "lastProgressTime": rfc3339(T0)}
+    )
+    progress = progress_record(uid=tj.metadata["uid"], step=50, attempt=0, updated_at=T0)
+    stuck = (_pod("llama-a0-slice-0-0", "a"), _pod("llama-a0-slice-1-0", "b", slice_=1))
+    jobset = dataclasses.replace(
+        JobSetFacts("llama-a0", 0, None, T0 - timedelta(hours=2), "Active", pods=stuck, uid=tj.metadata["uid"]),
+        resumed_at=T0 - timedelta(seconds=30), queue_name="team-a",
+    )  # fmt: skip
+    unreachable = (
+        _node("a", ready="Unknown", since=T0 + 20 * SECOND),
+        _node("b", ready="Unknown", since=T0 + 20 * SECOND),
+    )
+    observed = Observed(now=T0 + 61 * SECOND, jobsets=(jobset,), progress=progress, nodes=_facts(*unreachable))
+    failure = reconcile(tj, observed)[0].last_failure
+    assert (failure.kind, failure.reason, failure.counted) == ("NodeLost", "NodeUnreachable", False)

@@ -34,7 +34,17 @@ from .api import (
     TrainingJob,
     TrainingJobStatus,
 )
-from .facts import Actions, CreationRefused, Event, JobSetFacts, Observed, PodFacts, Worker, still_writing
+from .facts import (
+    POD_ENDED_PHASES,
+    Actions,
+    CreationRefused,
+    Event,
+    JobSetFacts,
+    Observed,
+    PodFacts,
+    Worker,
+    still_writing,
+)
 from .jobset import jobset_name
 from .nodes import pods_on_gone_nodes, recorded_pods_on_gone_nodes
 from .restarts import (
@@ -198,10 +208,13 @@ def _decide(tj: TrainingJob, observed: Observed) -> tuple[TrainingJobStatus, Act
     if tj.spec.suspend or current.state == "Suspended" or current.resuming:
         # Pods stopped by a suspension exit 143 after saving: that is not a failure, never classified.
         return _suspension(tj, status, observed, actions, current)
+    # Read before the pods from before the last resume are set aside: the watch may still show an earlier
+    # resume's pods, whose agents began the round.
+    begun_by_resume = _begun_by_resume(current)
     current = _without_pods_from_before_resume(current)
     actions.fail_on_gone_nodes = pods_on_gone_nodes(current.pods, observed.nodes)
     if current.in_place and current.state != "Failed":  # a Failed one: JobSet spent the rung without us
-        return _in_place(tj, status, observed, actions, current)
+        return _in_place(tj, status, observed, actions, current, begun_by_resume)
     # A failed worker fails the attempt (every Job has backoffLimit 0). Acting on the pod, not on the
     # JobSet's Failed condition, saves the time the Job controller spends waiting for the slice's
     # other pods to terminate before it marks the Job failed.
@@ -558,9 +571,11 @@ def _queued(
         message = f"Kueue admitted JobSet {current.name} from queue {queue}; it is resuming"
         return _enter(status, "Pending", "Resuming", message, "Queued", now), actions
     why = f": {current.queue_reason}" if current.queue_reason else ""
+    was_admitted = tj.status.queue is not None and tj.status.queue.admitted
+    if was_admitted:  # Kueue took the admission back just now: the wait for it starts here, whatever the stage
+        status = status.model_copy(update={"stage": "Queued", "stage_start_time": rfc3339(now)})
     if (resized := _shrunk_in_queue(tj, status, observed, actions, current, why)) is not None:
         return resized
-    was_admitted = tj.status.queue is not None and tj.status.queue.admitted
     if was_admitted:
         actions.events.append(
             Event("Normal", "Preempted", f"Kueue suspended JobSet {current.name}{why}; it resumes when re-admitted")
@@ -578,6 +593,14 @@ def _without_pods_from_before_resume(current: JobSetFacts) -> JobSetFacts:
         return current
     kept = tuple(p for p in current.pods if p.created is None or p.created >= resumed)
     return dataclasses.replace(current, pods=kept)
+
+
+def _pods_that_may_train(observed: Observed, current: JobSetFacts) -> tuple[PodFacts, ...]:
+    """The attempt's pods whose trainers may still run: the current ones, and those from before the last
+    resume that never ended (stuck on a node whose kubelet is cut off, their trainers still write)."""
+    seen = next((js for js in observed.jobsets if js.name == current.name), current)
+    stuck = tuple(p for p in seen.pods if p not in current.pods and p.phase not in POD_ENDED_PHASES)
+    return (*current.pods, *stuck)
 
 
 def _clock_floor(status: TrainingJobStatus, current: JobSetFacts) -> datetime:
@@ -667,7 +690,8 @@ def _while_active(
         silence = f"no step progress for {policy.hang_timeout_seconds}s (last at {rfc3339(last_progress)})"
         hang = Failure("Hang", "NoProgress", silence, None, now)
         if observed.nodes is not None:  # a node that went unreachable in the silence: not the job's hang
-            hang = with_node_evidence(hang, current.pods, observed.nodes, since, now, policy.hang_timeout_seconds)
+            pods = _pods_that_may_train(observed, current)
+            hang = with_node_evidence(hang, pods, observed.nodes, since, now, policy.hang_timeout_seconds)
         return _after_failure(tj, status, observed, actions, current, hang)
     if (resized := _grown(tj, status, observed, actions, current)) is not None:
         return resized
@@ -716,7 +740,7 @@ def _shrunk(
         return None
     cause = f"{now_slices - target} of {now_slices} slices unschedulable"
     return _shrunk_when_due(
-        tj, status, observed, actions, current, since, now_slices, target, cause, f": {unschedulable}"
+        tj, status, observed, actions.delete, actions, current, since, now_slices, target, cause, f": {unschedulable}"
     )
 
 
@@ -724,8 +748,9 @@ def _shrunk_in_queue(
     tj: TrainingJob, status: TrainingJobStatus, observed: Observed, actions: Actions, current: JobSetFacts, why: str
 ) -> tuple[TrainingJobStatus, Actions] | None:
     """spec.elastic under Kueue: an attempt its queue has not admitted for shrinkAfterSeconds goes one
-    allowed size down (its Workload asks for that much less quota). It has no pods: Kueue keeps a
-    JobSet it has not admitted suspended, and one it preempted has stopped (its workers saved)."""
+    allowed size down (its Workload asks for that much less quota). Kueue keeps a JobSet it has not
+    admitted suspended; one it preempted may still have workers making their suspension's save, so
+    they are stopped with their grace, never cut short."""
     since = parse_time(status.stage_start_time) if status.stage == "Queued" else None
     if since is None or _phase_reason(status) != "Queued":
         return None
@@ -734,13 +759,14 @@ def _shrunk_in_queue(
     if target is None:
         return None
     cause = f"not admitted by Kueue queue {current.queue_name}"
-    return _shrunk_when_due(tj, status, observed, actions, current, since, now_slices, target, cause, why)
+    return _shrunk_when_due(tj, status, observed, actions.stop, actions, current, since, now_slices, target, cause, why)
 
 
 def _shrunk_when_due(
     tj: TrainingJob,
     status: TrainingJobStatus,
     observed: Observed,
+    removal: list[str],
     actions: Actions,
     current: JobSetFacts,
     since: datetime,
@@ -749,8 +775,8 @@ def _shrunk_when_due(
     cause: str,
     detail: str,
 ) -> tuple[TrainingJobStatus, Actions] | None:
-    """Shrink from `before` to `target` slices once `cause` has lasted shrinkAfterSeconds from `since`;
-    until then, be woken when it has."""
+    """Shrink from `before` to `target` slices once `cause` has lasted shrinkAfterSeconds from `since`,
+    the current JobSet going by `removal` (actions.delete or actions.stop); until then, be woken when it has."""
     spec = tj.spec.elastic
     if spec is None:
         return None
@@ -759,7 +785,7 @@ def _shrunk_when_due(
         actions.requeue_after = min(actions.requeue_after or RECHECK_SECONDS, spec.shrink_after_seconds - waited)
         return None
     message = f"{cause} for {waited:.0f}s (shrinkAfterSeconds {spec.shrink_after_seconds}){detail}"
-    actions.delete.append(current.name)
+    removal.append(current.name)
     return _resize(tj, status, observed, actions, before, target, elastic.CAPACITY_LOST, message)
 
 
@@ -930,7 +956,12 @@ def _last_failure_time(status: TrainingJobStatus) -> datetime | None:
 
 
 def _in_place(
-    tj: TrainingJob, status: TrainingJobStatus, observed: Observed, actions: Actions, current: JobSetFacts
+    tj: TrainingJob,
+    status: TrainingJobStatus,
+    observed: Observed,
+    actions: Actions,
+    current: JobSetFacts,
+    begun_by_resume: bool,
 ) -> tuple[TrainingJobStatus, Actions]:
     """The InPlace rung: JobSet's agents restart the workers on their nodes. Each restart round JobSet
     begins is recorded as a failure, classified and charged as a Recreate's would be; the operator
@@ -949,6 +980,9 @@ def _in_place(
             # round (a failed run, a replacement) has not arrived yet.
             actions.requeue_after = POD_NEWS_RECHECK_SECONDS
             return status, actions
+        if begun_by_resume:  # nothing failed: taken as the JobSet's round to count from
+            status.in_place_round = current.in_place_round
+            return _while_active(tj, status, observed, actions, current)
         failure = classify_in_place_round(
             current, _last_failure_time(status), status.in_place_round, observed.nodes, now
         )
@@ -973,6 +1007,23 @@ def _in_place(
         return _after_failure(tj, status, observed, actions, current, stalled, counted=False)
     actions.requeue_after = _until(now, since, rung.recovery_deadline_seconds, STARTUP_CHECK_SECONDS)
     return status, actions
+
+
+def _begun_by_resume(current: JobSetFacts) -> bool:
+    """A round begun by a resume: Kueue suspended the JobSet (its pods went) and admitted it again, and
+    the new pods' fresh agents joined the next round as a replaced worker's would. Every pod shows that
+    round with its container never restarted and none failed; a worker's failure leaves a restarted or
+    failed pod, and a replaced worker's round restarts the others (the pod watch shows the round only
+    with the restart: the agent annotates it once its container is back)."""
+    return (
+        current.queue_name is not None
+        and current.resumed_at is not None
+        and bool(current.pods)
+        and all(
+            p.restart_count == 0 and p.phase != "Failed" and p.in_place_attempt == current.in_place_round
+            for p in current.pods
+        )
+    )
 
 
 def _restarting_in_place(
