@@ -28,8 +28,6 @@ from tpujob_devcluster.harness import helm_install_operator, pod_pids, signal_po
 from tpujob_devcluster.kueue import HIGH_PRIORITY, LOW_PRIORITY
 from tpujob_operator import api, checkpoints
 
-from ..conftest import TEST_JAX_ENV
-
 E2E_POOLS = {
     # 2 jobs x 2 slices at once, plus a spare for a restart; v5e pools for the 1-host failure tests.
     "pools": [{"name": f"v5p-{c}", "accelerator": "tpu-v5p-slice", "topology": "2x2x2"} for c in "abcde"]
@@ -46,7 +44,7 @@ def devcluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DevCluster]
     pools = state / "pools.yaml"
     pools.write_text(yaml.safe_dump(E2E_POOLS))
     # Kueue runs for every e2e test: jobs without its queue label must behave exactly as without it.
-    cluster = DevCluster(state, pools, kueue=True, pod_env=TEST_JAX_ENV).start()
+    cluster = DevCluster(state, pools, kueue=True).start()
     try:
         # Status follows the trainer within 5 s (the default, 60 s, would add up to a minute to every wait).
         # The devcluster's WorkloadPriorityClasses, which tests/e2e/test_kueue.py labels its jobs with.

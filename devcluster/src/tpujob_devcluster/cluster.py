@@ -84,17 +84,14 @@ class DevCluster:
         kueue_tpu_quota: int | Mapping[str, int] | None = None,
         audit_policy: dict[str, Any] | None = None,
         pod_runner_interval: float | None = None,
-        pod_env: Mapping[str, str] | None = None,
     ) -> None:
         """detached: outlive this process (`make up`); otherwise stop() or this process's exit ends it.
         kueue: run Kueue and create its queues, with `kueue_tpu_quota` TPU chips per flavor (see
         kueue.queue_manifests; default: the chips of the pools); set_kueue_quota() changes it later.
         audit_policy: write the apiserver's audit log under this policy (ControlPlane.audit_policy;
         the log is at `self.plane.audit_log`). pod_runner_interval: seconds between the pod runner's
-        passes over the pods (default: its own, 0.3 s); longer spares CPU with many pods and nodes.
-        pod_env: variables added to every pod's environment (the test tier's JAX settings)."""
+        passes over the pods (default: its own, 0.3 s); longer spares CPU with many pods and nodes."""
         self.state_dir = state_dir
-        self.pod_env = dict(pod_env or {})
         self.detached = detached
         self.kueue_enabled = kueue
         self.kueue_tpu_quota = kueue_tpu_quota
@@ -228,7 +225,7 @@ class DevCluster:
 
     def _start_pod_runner(self, timeout: float) -> None:
         assert self.gcs is not None and self.plane.pki is not None
-        env_args = [f"--env={k}={v}" for k, v in {**self.gcs.env(), **self.pod_env}.items()]
+        env_args = [f"--env={k}={v}" for k, v in self.gcs.env().items()]
         cert, key = issue_serving_cert(self.plane.pki, self.state_dir / "kubelet-serving", "pod-runner")
         runner = self._component(
             "pod-runner",
