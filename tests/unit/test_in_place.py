@@ -245,12 +245,9 @@ def test_a_round_no_pod_explains_beside_a_replacement_pod_is_a_deleted_pods_and_
     assert (failure.kind, failure.reason, failure.counted) == ("Preemption", "WorkerPodDeleted", False)
 
 
-def test_a_pod_that_failed_in_an_earlier_round_says_nothing_of_the_next_one():
-    # Round 1: a node was lost under slice 0 (its pod stays Failed in the API, replaced by its Job).
-    lost = PodFacts("llama-a0-slice-0-0", 0, "Failed", disruption_reason="DeletionByTaintManager", finished_at=T0)
-    first, _ = reconcile(_job({"step": 130}), _observed(_jobset(pods=(lost, _worker()))))
-    assert (first.last_failure.kind, first.in_place_round) == ("NodeLost", 1)
-    # Round 2, a minute later: the trainer of slice 1 crashes. Its failure is the job's, counted.
+def _assert_a_crash_a_minute_later_is_counted(first, lost):
+    """Round 2, after `first` recorded round 1: slice 1's trainer crashes beside `lost`, a pod that failed
+    in round 1 and stays in the API, and slice 0's replacement. The crash is the job's, counted."""
     later = T0 + timedelta(seconds=60)
     crashed = dataclasses.replace(_crashed(at=later, in_place_attempt=2), restart_count=2)
     replacement = _worker("llama-a0-slice-0-1", 0, in_place_attempt=2, restart_count=1)
@@ -258,6 +255,15 @@ def test_a_pod_that_failed_in_an_earlier_round_says_nothing_of_the_next_one():
     second, _ = reconcile(_job().model_copy(update={"status": first}), observed)
     failure = second.last_failure
     assert (failure.kind, failure.reason, failure.counted, failure.slice) == ("ApplicationError", "ExitCode1", True, 1)
+
+
+def test_a_pod_that_failed_in_an_earlier_round_says_nothing_of_the_next_one():
+    # Round 1: a node was lost under slice 0 (its pod stays Failed in the API, replaced by its Job).
+    lost = PodFacts("llama-a0-slice-0-0", 0, "Failed", disruption_reason="DeletionByTaintManager", finished_at=T0)
+    first, _ = reconcile(_job({"step": 130}), _observed(_jobset(pods=(lost, _worker()))))
+    assert (first.last_failure.kind, first.in_place_round) == ("NodeLost", 1)
+    # Round 2, a minute later: the trainer of slice 1 crashes. Its failure is the job's, counted.
+    _assert_a_crash_a_minute_later_is_counted(first, lost)
 
 
 def test_a_lost_nodes_pod_marked_failed_after_its_rounds_failure_says_nothing_of_the_next_round():
@@ -272,13 +278,7 @@ def test_a_lost_nodes_pod_marked_failed_after_its_rounds_failure_says_nothing_of
     assert first.in_place_round == 1
     # Round 2, a minute later: slice 1's trainer crashes again. The lost node's pod joined no round
     # since round 0: it is not this round's cause, and this crash is the job's, counted.
-    later = T0 + timedelta(seconds=60)
-    crashed = dataclasses.replace(_crashed(at=later, in_place_attempt=2), restart_count=2)
-    replacement = _worker("llama-a0-slice-0-1", 0, in_place_attempt=2, restart_count=1)
-    observed = _observed(_jobset(round_=2, pods=(lost, crashed, replacement)), now=later + timedelta(seconds=2))
-    second, _ = reconcile(_job().model_copy(update={"status": first}), observed)
-    failure = second.last_failure
-    assert (failure.kind, failure.reason, failure.counted, failure.slice) == ("ApplicationError", "ExitCode1", True, 1)
+    _assert_a_crash_a_minute_later_is_counted(first, lost)
 
 
 def test_an_in_place_jobset_that_failed_before_the_pods_show_why_waits_a_bounded_while_for_the_pod_watch():

@@ -208,13 +208,10 @@ def _decide(tj: TrainingJob, observed: Observed) -> tuple[TrainingJobStatus, Act
     if tj.spec.suspend or current.state == "Suspended" or current.resuming:
         # Pods stopped by a suspension exit 143 after saving: that is not a failure, never classified.
         return _suspension(tj, status, observed, actions, current)
-    # Read before the pods from before the last resume are set aside: the watch may still show an earlier
-    # resume's pods, whose agents began the round.
-    begun_by_resume = _begun_by_resume(current)
     current = _without_pods_from_before_resume(current)
     actions.fail_on_gone_nodes = pods_on_gone_nodes(current.pods, observed.nodes)
     if current.in_place and current.state != "Failed":  # a Failed one: JobSet spent the rung without us
-        return _in_place(tj, status, observed, actions, current, begun_by_resume)
+        return _in_place(tj, status, observed, actions, current)
     # A failed worker fails the attempt (every Job has backoffLimit 0). Acting on the pod, not on the
     # JobSet's Failed condition, saves the time the Job controller spends waiting for the slice's
     # other pods to terminate before it marks the Job failed.
@@ -595,11 +592,16 @@ def _without_pods_from_before_resume(current: JobSetFacts) -> JobSetFacts:
     return dataclasses.replace(current, pods=kept)
 
 
+def _as_watched(observed: Observed, current: JobSetFacts) -> JobSetFacts:
+    """`current` with every pod the watch shows, those from before its last resume included."""
+    return next((js for js in observed.jobsets if js.name == current.name), current)
+
+
 def _pods_that_may_train(observed: Observed, current: JobSetFacts) -> tuple[PodFacts, ...]:
     """The attempt's pods whose trainers may still run: the current ones, and those from before the last
     resume that never ended (stuck on a node whose kubelet is cut off, their trainers still write)."""
-    seen = next((js for js in observed.jobsets if js.name == current.name), current)
-    stuck = tuple(p for p in seen.pods if p not in current.pods and p.phase not in POD_ENDED_PHASES)
+    watched = _as_watched(observed, current).pods
+    stuck = tuple(p for p in watched if p not in current.pods and p.phase not in POD_ENDED_PHASES)
     return (*current.pods, *stuck)
 
 
@@ -961,7 +963,6 @@ def _in_place(
     observed: Observed,
     actions: Actions,
     current: JobSetFacts,
-    begun_by_resume: bool,
 ) -> tuple[TrainingJobStatus, Actions]:
     """The InPlace rung: JobSet's agents restart the workers on their nodes. Each restart round JobSet
     begins is recorded as a failure, classified and charged as a Recreate's would be; the operator
@@ -980,7 +981,8 @@ def _in_place(
             # round (a failed run, a replacement) has not arrived yet.
             actions.requeue_after = POD_NEWS_RECHECK_SECONDS
             return status, actions
-        if begun_by_resume:  # nothing failed: taken as the JobSet's round to count from
+        # Over every pod the watch shows: it may still show an earlier resume's pods, whose agents began it.
+        if _begun_by_resume(_as_watched(observed, current)):  # nothing failed: the round to count from
             status.in_place_round = current.in_place_round
             return _while_active(tj, status, observed, actions, current)
         failure = classify_in_place_round(
