@@ -177,9 +177,21 @@ class E2E:
             out.append(f"--- {directory.name}\n" + "\n".join(text[-lines:]))
         return "\n".join(out)
 
-    def events(self, name: str) -> list[str]:
-        found = self.core.list_namespaced_event(self.namespace, field_selector=f"involvedObject.name={name}")
-        return [e.reason or "" for e in found.items]
+    def wait_events(self, name: str, reasons: set[str], uid: str | None = None, timeout: float = 30) -> set[str]:
+        """The reasons of the Events about `name` (incarnation `uid` if given), once they include every
+        one of `reasons`: the operator posts a decision's Events after it writes the status that shows it."""
+        posted: set[str] = set()
+
+        def all_posted() -> bool:
+            posted.clear()
+            posted.update(reason for reason, _ in self.event_records(name, uid))
+            return reasons <= posted
+
+        try:
+            self.until(all_posted, timeout, f"{name}'s Events {sorted(reasons)}")
+        except AssertionError as missing:
+            raise AssertionError(f"{missing}; posted: {sorted(posted)}") from None
+        return posted
 
     def event_records(self, name: str, uid: str | None = None) -> list[tuple[str, str]]:
         """(reason, message) of the Events about `name`, only those of incarnation `uid` if given."""

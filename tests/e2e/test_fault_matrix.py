@@ -185,8 +185,7 @@ def test_storage_outage_killed_then_hung_costs_the_job_nothing(e2e):
     # The outages really reached the trainer's saves: one failed, or a save rode one out, blocked (a
     # retry that outlasts the outage succeeds; CI saw 0 failures once).
     assert record["save_failures"] >= 1 or record["save_blocking_seconds"] >= OUTAGE_SECONDS / 2, record
-    reasons = {reason for reason, _ in e2e.event_records(name, uid)}
-    assert {"CheckpointStorageError", "CheckpointStorageReachable", "Succeeded"} <= reasons, reasons
+    reasons = e2e.wait_events(name, {"CheckpointStorageError", "CheckpointStorageReachable", "Succeeded"}, uid)
     assert not {"FailureDetected", "Restarting"} & reasons, reasons
 
 
@@ -275,8 +274,8 @@ def scenario_suspend_across_hang_timeout(e2e: E2E) -> None:
     assert status["resumedFromStep"] >= committed_in_suspension, (status["resumedFromStep"], committed_in_suspension)
     after = _steps_after(samples, resumed)
     assert after and min(after) >= committed_in_suspension, (committed_in_suspension, after)
-    reasons = {reason for reason, _ in e2e.event_records(name)}
-    assert {"Suspended", "Resumed", "Succeeded"} <= reasons and "FailureDetected" not in reasons, reasons
+    reasons = e2e.wait_events(name, {"Suspended", "Resumed", "Succeeded"})
+    assert "FailureDetected" not in reasons, reasons
 
 
 def scenario_same_name_recreation(e2e: E2E) -> None:

@@ -65,7 +65,7 @@ def test_a_crashed_trainer_restarts_in_place_from_the_local_tier(e2e):
     assert record.restored_step is not None and record.restored_step > GCS_INTERVAL, record
     assert failure["resumeStep"] == record.restored_step and failure["lostSteps"] <= 2 * LOCAL_INTERVAL, failure
     assert failure["recoverySeconds"] is not None and failure["timeline"]["restored"] is not None
-    assert "RestartingInPlace" in e2e.events("inplace")
+    e2e.wait_events("inplace", {"RestartingInPlace"})
 
 
 def test_a_lost_node_replaces_only_its_pod_and_the_rest_restart_in_place(e2e):

@@ -74,7 +74,7 @@ def test_slice_failure_resumes_from_latest_committed_step_and_matches_an_uninter
     progress = e2e.progress("faulty")
     assert progress is not None and progress.resumed_from_step == resumed and progress.step == STEPS
     assert done["lastFailure"]["recoverySeconds"] > 0
-    assert {"FailureDetected", "Restarting", "Restored", "Succeeded"} <= set(e2e.events("faulty"))
+    e2e.wait_events("faulty", {"FailureDetected", "Restarting", "Restored", "Succeeded"})
     # Same data, same steps, exact resume: the final parameters and optimizer state are identical.
     assert _digest(e2e, "faulty", STEPS) == _digest(e2e, "twin", STEPS)
     # Exclusive placement: while both ran, every slice had a node pool of its own.
