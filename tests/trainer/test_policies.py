@@ -19,7 +19,9 @@ import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 import pytest
+import tpujob_contract as contract
 from orbax.checkpoint import checkpoint_managers as cm
+from tpujob.attempt import StepHook
 from tpujob.checkpointing import (
     HOLD_SECONDS,
     AdaptivePolicy,
@@ -27,12 +29,14 @@ from tpujob.checkpointing import (
     PreemptionNotice,
     adaptive_policy,
     choose_restore_step,
+    is_committed,
     manager_options,
     preservation_policy,
     save_policy,
 )
-from tpujob.config import CheckpointConfig, ConfigError
-from tpujob_contract import FRESH, LATEST, Resume
+from tpujob.config import CheckpointConfig, ConfigError, run_config
+from tpujob.progress import AttemptProgress, ProgressWriter
+from tpujob_contract import FRESH, LATEST, Env, Resume
 
 BASE = CheckpointConfig(
     policy="continuous", min_interval_seconds=0.0, interval_steps=5, async_save=True,
@@ -172,3 +176,34 @@ def test_choose_restore_step(committed: list[int], resume: Resume, expected: int
 def test_choose_restore_step_refuses_a_pin_with_nothing_committed_at_or_after_it() -> None:
     with pytest.raises(ConfigError, match="TPUJOB_RESUME_STEP=10: no committed checkpoint at or after it"):
         choose_restore_step([3, 9], Resume.at(10))
+
+
+def test_a_save_orbax_starts_after_waiting_for_the_one_in_flight_reports_that_one_committed(tmp_path: Path) -> None:
+    """Interval saves longer than the interval: each save() first waits for the one in flight. The
+    step hook reported a finished save only when none was in flight at the next step, so the record's
+    last_committed_step stayed behind for the whole run (CI: 2701 at step 3500)."""
+    env = {
+        Env.RUN_DIR: str(tmp_path), Env.CHECKPOINT_POLICY: "interval", Env.CHECKPOINT_INTERVAL_STEPS: "1",
+        Env.CHECKPOINT_SAVE_ON_PREEMPTION: "false",
+    }  # fmt: skip
+    cfg = run_config(env)
+    assert cfg.checkpoint is not None and cfg.checkpoint.policy == "interval"
+    directory = tmp_path / "checkpoints"
+    status = AttemptProgress(attempt=0, uid="", process_started_at=contract.now_rfc3339())
+    writer = ProgressWriter(str(tmp_path), lambda step: is_committed(str(directory), step))
+    state = {"w": jnp.ones((8 * 256 * 1024,), jnp.float32), "step": jnp.zeros((), jnp.int32)}
+    steps = 12
+    notice = PreemptionNotice(distributed=False)
+    with CheckpointManager(str(directory), manager_options(cfg.checkpoint), notice) as mngr:
+        hook = StepHook(cfg, notice, status, mngr, None, writer)
+        for step in range(1, steps + 1):
+            state = {"w": state["w"] + 1, "step": jnp.asarray(step, jnp.int32)}
+            assert not hook.after_step(step, state, state)
+            hook.next_step_begins()
+        # Step 12's save started once step 11's had ended, so 11 is committed and was reported.
+        deadline = time.monotonic() + 30
+        while writer.last_committed_step != steps - 1 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert writer.last_committed_step == steps - 1, writer.last_committed_step
+        mngr.wait_until_finished()
+    writer.close(status.record("succeeded"))

@@ -201,7 +201,7 @@ def test_progress_record_and_line() -> None:
         "save_failures", "local_tier_problem", "process_started_at",
         "storage_ready_at", "restore_started_at", "restore_finished_at", "first_step_at", "save_blocking_seconds",
         "checkpoint_interval_seconds", "checkpoint_interval_bound", "save_cost_seconds",
-        "checkpoint_overhead_percent", "mtbf_seconds",
+        "checkpoint_overhead_percent", "mtbf_seconds", "blocked_in_save_at",
     }  # fmt: skip
     failed = contract.ProgressRecord(
         step=0, loss=None, steps_per_second=None, last_committed_step=None, attempt=1, resumed_from_step=None,
@@ -248,6 +248,42 @@ def test_progress_writer_overwrites_atomically_and_checks_commit(tmp_path: Path)
     assert (tmp_path / "progress.json").read_text() == "{}"
 
 
+def test_a_save_blocking_the_loop_keeps_the_record_fresh_for_at_most_the_hang_timeout(tmp_path: Path) -> None:
+    """The operator's hang clock reads the record's silence: a save longer than the hang timeout (the
+    final one, waiting for the save in flight first, on a loaded machine) was charged as a Hang."""
+    limit = 1.0
+    status = progress.AttemptProgress(attempt=0, uid="0b5e-uid", process_started_at=contract.now_rfc3339())
+    status.step = 7
+    keep = progress.KeepFresh(status, interval_seconds=0.1, limit_seconds=limit)
+    writer = progress.ProgressWriter(str(tmp_path), committed=lambda step: False, keep_fresh=keep)
+    path = tmp_path / "progress.json"
+
+    def written() -> contract.ProgressRecord | None:
+        return contract.from_json(path.read_bytes()) if path.exists() else None
+
+    time.sleep(0.5)
+    assert written() is None  # training: the loop alone publishes
+    with status.blocked_in_save():
+        seen: set[str] = set()
+        deadline = time.monotonic() + 30
+        while len(seen) < 3 and time.monotonic() < deadline:
+            if (record := written()) is not None:
+                seen.add(record.updated_at)
+            time.sleep(0.05)
+        assert len(seen) >= 3, seen  # rewritten, each time with the time of the moment
+        record = written()
+        assert record is not None and (record.step, record.state) == (7, "running")
+        blocked_at = contract.parse_time(record.blocked_in_save_at)
+        assert blocked_at is not None
+        while (status.blocked_seconds() or 0) < limit + 1.5:
+            time.sleep(0.1)
+        # Past the limit the record is left silent: a save that never ends is still a hang.
+        last = written()
+        assert last is not None and (last.updated - blocked_at).total_seconds() <= limit + 1.0, last
+    assert status.record().blocked_in_save_at is None
+    writer.close(status.record("running"))
+
+
 def test_the_storage_watchdog_gives_up_only_when_storage_fails_its_tries(tmp_path: Path) -> None:
     """A silent record (no write for many ticks) is a hang of the training itself while storage passes
     the watchdog's probes: nothing happens, and the operator's hang clock counts it. When the probes
@@ -278,6 +314,7 @@ def test_the_record_may_stay_unwritten_for_the_storage_wait_and_by_default_at_mo
     assert run_config({**base, hang: "1800"}).record_unwritable_limit_seconds == 600
     assert run_config({**base, hang: "300"}).record_unwritable_limit_seconds == 150
     assert run_config({**base, hang: "0"}).record_unwritable_limit_seconds == 600
+    assert (run_config({**base, hang: "300"}).hang_timeout_seconds, run_config(base).hang_timeout_seconds) == (300, 0)
     # The job's own storage wait (spec.env) is its choice, even past the hang clock.
     assert run_config({**base, hang: "30", "TPUJOB_STORAGE_WAIT_SECONDS": "300"}).record_unwritable_limit_seconds == 300
 

@@ -299,6 +299,9 @@ class ProgressRecord:
     restore_finished_at: str | None = None
     first_step_at: str | None = None  # the first step of this attempt finished (compilation included)
     save_blocking_seconds: float = 0.0  # training loop blocked by checkpoint saves, this attempt, cumulative
+    # The loop is blocked in a checkpoint save since then (None: it is not): the trainer keeps the
+    # record fresh meanwhile, for at most the hang timeout, so that a long save is not taken for a hang.
+    blocked_in_save_at: str | None = None
     # Policy "adaptive" (None otherwise): the interval between save starts in force, what bound it,
     # the measured cost of one save (blocking + slowdown of steps while it ran in the background),
     # the measured step-time overhead of saving so far, and the MTBF the interval was chosen for.

@@ -107,7 +107,7 @@ class Run:
         if self._cache:
             self._cache.prefetch()
         if self._mngr and cfg.run_dir and jax.process_index() == 0:
-            self._writer = attempt.progress_writer(cfg, self._mngr)
+            self._writer = attempt.progress_writer(cfg, self._mngr, self._status)
         self._hook = attempt.StepHook(cfg, self._notice, self._status, self._mngr, self._local, self._writer)
 
     @property

@@ -318,7 +318,8 @@ def save(mngr: CheckpointManager, step: int, state: Any, status: AttemptProgress
         jax.block_until_ready(state)  # type: ignore[no-untyped-call]
         blocked_from = time.monotonic()
         try:
-            started = mngr.save(step, args=ocp.args.StandardSave(state))
+            with status.blocked_in_save():  # Orbax waits here for the save in flight, if any
+                started = mngr.save(step, args=ocp.args.StandardSave(state))
         finally:
             blocked = time.monotonic() - blocked_from
             status.save_blocked(blocked)
@@ -361,7 +362,8 @@ def save_final(mngr: CheckpointManager, step: int, state: Any, status: AttemptPr
     delays = checkpointing.backoff_delays(2.0, 16.0)
     blocked_from = time.monotonic()
     try:
-        return _save_final_tries(mngr, step, state, status, delays)
+        with status.blocked_in_save():
+            return _save_final_tries(mngr, step, state, status, delays)
     finally:
         status.save_blocked(time.monotonic() - blocked_from)
 
@@ -416,11 +418,12 @@ def _termination_message(text: str) -> None:
             pass
 
 
-def progress_writer(cfg: RunConfig, mngr: CheckpointManager) -> ProgressWriter:
+def progress_writer(cfg: RunConfig, mngr: CheckpointManager, status: AttemptProgress) -> ProgressWriter:
     """Process 0's progress record writer. Storage lost on the workers' side while training (the
     operator may still read the bucket) leaves the record silent, which the operator's hang clock
     would charge to the job: after `record_unwritable_limit_seconds` the process ends with exit 3
-    instead (StorageUnavailable: restarted, not counted; the operator bounds its streak)."""
+    instead (StorageUnavailable: restarted, not counted; the operator bounds its streak). A save
+    that blocks the loop keeps the record fresh for up to the hang timeout (KeepFresh)."""
     run_dir, where = cfg.run_dir, str(mngr.directory)
     assert run_dir is not None
 
@@ -428,7 +431,10 @@ def progress_writer(cfg: RunConfig, mngr: CheckpointManager) -> ProgressWriter:
         checkpointing.probe_storage(run_dir, "watchdog", cfg.storage_timeout_seconds)
 
     give_up = progress.GiveUp(cfg.record_unwritable_limit_seconds, probe, _storage_lost)
-    return ProgressWriter(run_dir, lambda s: checkpointing.is_committed(where, s), give_up)
+    keep_fresh = None
+    if cfg.hang_timeout_seconds > 0:
+        keep_fresh = progress.KeepFresh(status, cfg.progress_interval_seconds, cfg.hang_timeout_seconds)
+    return ProgressWriter(run_dir, lambda s: checkpointing.is_committed(where, s), give_up, keep_fresh)
 
 
 def _storage_lost(seconds: float) -> None:
@@ -521,6 +527,9 @@ class StepHook:
             cadence.step(step_s, saving)
         blocked = save(mngr, step, payload, status)
         if blocked is not None:
+            # Orbax started this save once the one in flight had finished: report that one first.
+            if self._pending_save is not None and self.writer:
+                self.writer.saved(self._pending_save)
             self._pending_save = step
             if cadence:
                 cadence.saved(blocked)

@@ -103,6 +103,9 @@ class RunConfig:
     # How long the progress record may go unwritten while training before the trainer gives up
     # (exit 3, not counted): record_unwritable_limit()
     record_unwritable_limit_seconds: float
+    # spec.restart.hangTimeoutSeconds (0: no hang clock): how long a save blocking the loop keeps the
+    # progress record fresh (ProgressWriter's keep-fresh)
+    hang_timeout_seconds: float = 0.0
     compilation_cache_dir: str | None = None  # persistent JAX compilation cache; None = off
     local_compilation_cache_dir: str | None = None  # this process's own tier of it, read first; None = none
     local_tier: LocalTierConfig | None = None  # the local checkpoint tier; None = GCS alone
@@ -271,6 +274,7 @@ def run_config(env: Mapping[str, str]) -> RunConfig:
         storage_timeout_seconds=_storage_seconds(env, "TPUJOB_STORAGE_TIMEOUT_SECONDS", 30.0),
         storage_wait_seconds=_storage_seconds(env, STORAGE_WAIT_ENV, DEFAULT_STORAGE_WAIT_SECONDS),
         record_unwritable_limit_seconds=record_unwritable_limit(env),
+        hang_timeout_seconds=_storage_seconds(env, Env.HANG_TIMEOUT_SECONDS, 0.0),
         compilation_cache_dir=compilation_cache_dir(env, run_dir),
         local_compilation_cache_dir=local_compilation_cache_dir(env),
         # Only beside the GCS tier: restoring it needs GCS's latest step to compare with.

@@ -10,12 +10,13 @@ background thread so that a slow bucket never stalls a training step.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import os
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 import tpujob_contract as contract
@@ -44,6 +45,27 @@ class AttemptProgress:
         )
         self.step = 0
         self.cadence: AdaptiveCadence | None = None  # policy "adaptive"
+        self._blocked_since: float | None = None  # monotonic: when the loop entered the save it is blocked in
+
+    @contextlib.contextmanager
+    def blocked_in_save(self) -> Iterator[None]:
+        """The loop is blocked in a checkpoint save meanwhile; the record says since when. A save
+        inside another (the final save's tries) is part of it."""
+        if self._blocked_since is not None:
+            yield
+            return
+        self._blocked_since = time.monotonic()
+        self.update(blocked_in_save_at=contract.now_rfc3339())
+        try:
+            yield
+        finally:
+            self._blocked_since = None
+            self.update(blocked_in_save_at=None)
+
+    def blocked_seconds(self) -> float | None:
+        """How long the loop has been blocked in the current save (None: it is not in one)."""
+        since = self._blocked_since
+        return None if since is None else time.monotonic() - since
 
     def update(self, **fields: Any) -> None:
         """Set record fields (dataclasses.replace refuses a name the record does not have)."""
@@ -102,6 +124,19 @@ class GiveUp:
     action: Callable[[float], None]
 
 
+@dataclasses.dataclass(frozen=True)
+class KeepFresh:
+    """While the loop is blocked in a save, the record is written again every `interval_seconds`, for
+    at most `limit_seconds` of one save. The operator's hang clock reads the record's silence, and a
+    save longer than the hang timeout (a big model's, a loaded machine's, a final save that first
+    waits for the one in flight) is no hang. Past the limit the silence counts again, so a save that
+    never ends (a peer hung before its barrier) is still found."""
+
+    status: AttemptProgress
+    interval_seconds: float
+    limit_seconds: float
+
+
 class ProgressWriter:
     """Writes the newest published contract.ProgressRecord from a background thread, and a final one on close().
 
@@ -113,7 +148,13 @@ class ProgressWriter:
     the operator reads as a hang, but only the first fails the watchdog's probes too.
     """
 
-    def __init__(self, run_dir: str, committed: Callable[[int], bool], give_up: GiveUp | None = None):
+    def __init__(
+        self,
+        run_dir: str,
+        committed: Callable[[int], bool],
+        give_up: GiveUp | None = None,
+        keep_fresh: KeepFresh | None = None,
+    ):
         self._path = epath.Path(contract.progress_path(run_dir))
         self._committed = committed
         self._cond = threading.Condition()
@@ -123,6 +164,8 @@ class ProgressWriter:
         self.last_committed_step: int | None = None
         self._failing_since: float | None = None  # monotonic: storage's first failed try since one worked
         self._worked_at = time.monotonic()  # storage's last answer (a write landed, a probe passed)
+        self._keep_fresh = keep_fresh
+        self._written_at = time.monotonic()  # the last write tried
         self._thread = threading.Thread(target=self._run, name="tpujob-progress", daemon=True)
         self._thread.start()
         self._training_over = threading.Event()
@@ -180,8 +223,20 @@ class ProgressWriter:
             except Exception:
                 log.warning("could not check the commit marker of step %d", step, exc_info=True)
 
+    def _fresh(self) -> contract.ProgressRecord | None:
+        """The record of the moment, when the loop is blocked in a save, within the limit, and nothing
+        was written for an interval."""
+        keep = self._keep_fresh
+        if keep is None or time.monotonic() - self._written_at < keep.interval_seconds:
+            return None
+        blocked = keep.status.blocked_seconds()
+        if blocked is None or blocked > keep.limit_seconds:
+            return None
+        return keep.status.record("running")
+
     def _write(self, progress: contract.ProgressRecord) -> None:
         progress = dataclasses.replace(progress, last_committed_step=self.last_committed_step)
+        self._written_at = time.monotonic()
         self._tried()
         try:
             write_atomically(self._path, contract.to_json(progress))
@@ -196,13 +251,15 @@ class ProgressWriter:
         return candidates, pending
 
     def _run(self) -> None:
+        tick = max(self._keep_fresh.interval_seconds, 0.1) if self._keep_fresh else None
         while True:
             with self._cond:
-                self._cond.wait_for(lambda: self._closed or bool(self._candidates) or self._pending is not None)
+                self._cond.wait_for(lambda: self._closed or bool(self._candidates) or self._pending is not None, tick)
                 if self._closed:
                     return
                 candidates, pending = self._take()
             self._check(candidates)
+            pending = pending or self._fresh()
             if pending is not None:
                 self._write(pending)
 

@@ -695,7 +695,8 @@ class RestartSpec(ApiModel):
         le=MAX_SECONDS,
         description=(
             "Training stage: no new step for this long counts as a Hang (0 disables). Its clock starts at the "
-            "attempt's first step and never runs while checkpoint storage is unreachable."
+            "attempt's first step and never runs while checkpoint storage is unreachable; a checkpoint save that "
+            "blocks training holds it for up to this long."
         ),
     )
     startup_timeout_seconds: int = Field(

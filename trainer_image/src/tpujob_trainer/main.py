@@ -117,7 +117,7 @@ def run(cfg: Config, process_started_at: str | None = None) -> ExitCode:
         cache.prefetch()  # list the cache while the restore runs; storage has answered its probe by now
     writer = None
     if mngr and cfg.run_dir and jax.process_index() == 0:
-        writer = attempt.progress_writer(cfg, mngr)
+        writer = attempt.progress_writer(cfg, mngr, status)
     try:
         topo = cfg.topology
         if topo.microbatches > 1:
