@@ -48,10 +48,17 @@ def main() -> None:
         action="store_true",
         help="the trainer before it gave up on storage lost while training (exit 3): it trains on, its record silent",
     )
-    args = parser.parse_args()
-    worlds = (
-        configs.map(lambda c: replace(c, trainer_gives_up_on_storage=False)) if args.trainer_keeps_silent else configs
+    parser.add_argument(
+        "--trainer-silent-in-saves",
+        action="store_true",
+        help="the trainer before it kept its record fresh while blocked in a save: a long final save is a hang",
     )
+    args = parser.parse_args()
+    worlds = configs
+    if args.trainer_keeps_silent:
+        worlds = worlds.map(lambda c: replace(c, trainer_gives_up_on_storage=False))
+    if args.trainer_silent_in_saves:
+        worlds = worlds.map(lambda c: replace(c, trainer_keeps_record_fresh_in_saves=False))
     for invariant in args.invariants.split(","):
         print(json.dumps(hunt(invariant, args.limit, args.seed, worlds)), flush=True)
     sys.exit(0)

@@ -22,7 +22,7 @@ class Watch:
 
     ever_committed: set[int] = field(default_factory=set)
     ended_at: int | None = None  # Failed, or deleted
-    saves_blocked_since_end: bool = False  # the workers' storage hung after the end
+    saves_blocked_since_end: bool = False  # the workers' storage hung, or a save outlasted the bound, after the end
     checked_decisions: int = 0
 
 
@@ -80,12 +80,20 @@ def _charged(world: World, decision: Decision) -> list[str]:
     name = jobset_name(world.training_job_name, before.attempt)
     runs = sorted(run for js, run in world.truth.faults if js == name)
     if not runs:
-        return []  # a failure the world did not inject (a timeout): no truth to hold it to
+        # No fault in that run: a timeout may still fire (capacity never came), but a hang cannot, since
+        # no trainer hung (a save slower than the hang timeout is storage's speed, not the job's failure).
+        if failure.kind == "Hang" and failure.counted:
+            return [f"8. t={decision.time}: no fault in {name}, charged as {failure.kind}/{failure.reason}"]
+        return []
     # An in-place round keeps the pods and their nodes: a node fault of a round before is still evidence.
     earlier = [f for run in runs[:-1] for f in world.truth.faults[(name, run)]] if world.config.in_place else []
     causes = _causes(world.truth.faults[(name, runs[-1])], earlier)
     what = " or ".join(f"{f.what} ({f.cause})" for f in causes)
-    if all(f.cause == "job" for f in causes) and not failure.counted:
+    # An in-place restart that trained no step by its deadline climbs to Recreate uncounted whatever held
+    # it (a hang of the restarted trainer, or a host the rung left unusable: the operator cannot tell them
+    # apart before a step): bounded, since the Recreate attempt's own silence is counted.
+    stalled_in_place = failure.reason == "InPlaceRestartStalled"
+    if all(f.cause == "job" for f in causes) and not failure.counted and not stalled_in_place:
         return [f"4. t={decision.time}: {what} recorded as {failure.kind}/{failure.reason}, not counted"]
     if all(f.cause == "infrastructure" for f in causes) and failure.counted:
         return [f"8. t={decision.time}: {what} charged as {failure.kind}/{failure.reason}"]
@@ -118,9 +126,12 @@ def _released(world: World, watch: Watch) -> list[str]:
     on a node its kubelet cannot hear from is the node's to end)."""
     if watch.ended_at is None and (world.training_job is None or _phase(world) == "Failed"):
         watch.ended_at = world.now
-    if watch.ended_at is not None and world.storage.blind_for_workers(world.now):
+    if watch.ended_at is not None and (
+        world.storage.blind_for_workers(world.now)
+        or any(s.commits_at > watch.ended_at + RELEASE_SECONDS for s in world.storage.in_flight.values())
+    ):
         watch.saves_blocked_since_end = True
-    # A SIGTERM save that storage cannot take holds its pod until the pod's grace ends.
+    # A SIGTERM save that storage cannot take, or takes slowly, holds its pod until the pod's grace ends.
     bound = TERMINATION_GRACE_SECONDS if watch.saves_blocked_since_end else RELEASE_SECONDS
     if watch.ended_at is None or world.now - watch.ended_at < bound:
         return []

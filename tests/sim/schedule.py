@@ -55,6 +55,7 @@ schedules = st.lists(events, max_size=14)
 configs = st.builds(
     Config,
     save_seconds=st.integers(1, 12),
+    final_save_seconds=st.sampled_from([0, 0, 0, 85]),  # 85: past the 60 s hang timeout, within twice it
     backoff_seconds=st.sampled_from([0, 0, 5]),
     spare_pools=st.integers(0, 2),
     max_restarts=st.integers(0, 4),

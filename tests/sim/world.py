@@ -18,7 +18,9 @@ What it models, and how coarsely:
   (the pin rule: that step or a newer one), train one step a second, save asynchronously every
   `save_every` steps (a save commits `save_seconds` later, unless its directory was removed under it:
   then the step is committed but damaged), keep the newest `keep` committed steps, write the progress
-  record, save their step on SIGTERM when all of them are healthy, and exit 0 after the final step;
+  record, save their step on SIGTERM when all of them are healthy, and exit 0 once the final step's save
+  (`final_save_seconds`, which may outlast the hang timeout) commits, writing the record meanwhile for at
+  most the hang timeout;
 - storage can be unreadable to the operator, or unreachable for the workers: then their saves and
   records hang until it is back, a trainer waits for it at start, and a training one gives up with
   exit 3 after `record_unwritable_limit_seconds` (the trainer library's rule, trainer_image/README.md).
@@ -259,6 +261,7 @@ class Save:
     step: int
     group: tuple[str, int]
     commits_at: int
+    began: int
     cut: bool = False  # its directory was removed under it (another trainer's start-up)
 
 
@@ -276,7 +279,7 @@ class Group:
     stopping_at: int | None = None  # the step all agreed to stop at (SIGTERM save)
     first_step_at: int | None = None  # its first step finished (the record says so from then on)
     hung: bool = False
-    done: bool = False
+    done: bool = False  # trained its final step; its final save is in flight until it exits
 
 
 @dataclass
@@ -306,6 +309,7 @@ class Config:
     final_step: int = 120
     save_every: int = 10
     save_seconds: int = 3  # an async save's write, also the SIGTERM save's
+    final_save_seconds: int = 0  # the final step's save (0: save_seconds); a big model's on slow storage is longer
     startup_seconds: int = 4  # image, JAX start-up, restore, compilation
     keep: int = 3
     backoff_seconds: int = 0
@@ -323,6 +327,9 @@ class Config:
     in_place_max_restarts: int = 2
     storage_wait_seconds: int = 600  # TPUJOB_STORAGE_WAIT_SECONDS' default
     trainer_gives_up_on_storage: bool = True  # False: the trainer before issue 30's item 7 (python -m tests.sim.hunt)
+    # A trainer blocked in its final save writes its record again, for at most the hang timeout (the trainer
+    # library's KeepFresh). False: the trainer before it, whose record stays silent (python -m tests.sim.hunt).
+    trainer_keeps_record_fresh_in_saves: bool = True
 
     @property
     def record_unwritable_limit_seconds(self) -> int:
@@ -514,8 +521,17 @@ class World:
             return
         self._end(pod, "Succeeded" if code == 0 else "Failed", code, "Completed" if code == 0 else "Error")
 
-    def _begin_save(self, group: Group, step: int) -> None:
-        self.storage.in_flight[step] = Save(step, group.key, self.now + self.config.save_seconds)
+    def _begin_save(self, group: Group, step: int, seconds: int | None = None) -> None:
+        self.storage.in_flight[step] = Save(step, group.key, self.now + (seconds or self.config.save_seconds), self.now)
+
+    def _keep_record_fresh(self, group: Group) -> None:
+        """A trainer blocked in its final save writes its record again each second, for at most the hang
+        timeout of that save (KeepFresh); past it, its silence is the hang clock's to judge."""
+        save = self.storage.in_flight.get(group.step)
+        if not self.config.trainer_keeps_record_fresh_in_saves or save is None or save.group != group.key:
+            return
+        if self.now - save.began <= self.config.hang_timeout_seconds and self._healthy(group):
+            self._write_progress(group)
 
     def _start(self, group: Group, pin: int | None) -> None:
         """Orbax's start-up removes every uncommitted step directory; the restore takes the newest committed
@@ -579,6 +595,8 @@ class World:
                         self._process_exits(pod, 0 if group.done else 143)
 
     def _train(self, group: Group) -> None:
+        if group.done:
+            self._keep_record_fresh(group)
         if group.started is None or group.done or group.hung or group.stopping_at is not None:
             return
         if not self._healthy(group):
@@ -589,7 +607,7 @@ class World:
         self._write_progress(group)
         if group.step >= self.config.final_step:
             group.done = True
-            self._begin_save(group, group.step)
+            self._begin_save(group, group.step, self.config.final_save_seconds)
         elif group.step % self.config.save_every == 0 and not any(
             s.group == group.key for s in self.storage.in_flight.values()
         ):
@@ -999,8 +1017,12 @@ class World:
 
     def workers_storage_outage(self, seconds: int) -> None:
         """Checkpoint storage hangs for the workers (the operator still reads it): a network path of
-        the node pools alone."""
-        self.storage.workers_outage = (self.now, self.now + seconds)
+        the node pools alone. One that begins while another lasts extends it: storage never answered
+        in between, so the trainer's watchdog counts from the first."""
+        begins, ends = self.now, self.now + seconds
+        if self.storage.blind_for_workers(self.now) and self.storage.workers_outage is not None:
+            begins, ends = self.storage.workers_outage[0], max(ends, self.storage.workers_outage[1])
+        self.storage.workers_outage = (begins, ends)
         for group in self.groups.values():  # their records go silent: a hang as the operator sees it
             if group.started is not None and not group.done and seconds > 0:
                 for pod in (p for p in self._processes(group) if p.process_alive):
