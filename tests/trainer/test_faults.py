@@ -4,13 +4,18 @@ that the tests stop, restart (same port, same data) and hang (SIGSTOP)."""
 
 from __future__ import annotations
 
+import contextlib
+import json
 import re
 import signal
 import time
+from datetime import datetime
 from pathlib import Path
 
 import pytest
+import tpujob_contract as contract
 from tpujob_devcluster.fakegcs import FakeGcsServer
+from tpujob_devcluster.throttle import ThrottledProxy
 
 from tests.trainer.faults import RestartableGcs
 from tests.trainer.procs import BUCKET, Attempt, Job
@@ -79,6 +84,37 @@ def test_storage_faults_mid_run_cost_nothing(
 
 
 @pytest.mark.timeout(300)
+def test_a_save_that_blocks_the_loop_past_the_hang_timeout_keeps_the_record_fresh_for_that_long(
+    job: Job, gcs: FakeGcsServer
+) -> None:
+    """Storage slow enough that the final save (which first waits for the one in flight) blocks the
+    loop for several hang timeouts: the operator's hang clock reads the record's silence, so the
+    record is written meanwhile, saying since when the loop is blocked, for up to the hang timeout
+    and no longer (a save that never ends is still a hang). The stop found it: a job that had
+    committed its final step ended Failed/Hang."""
+    hang = 2
+    # About 1.8 MB a checkpoint (the tiny model's parameters and two Adam moments): at 300 kB/s each
+    # save takes about 6 s, three hang timeouts, on any machine.
+    with ThrottledProxy(gcs, 300_000) as proxy:
+        attempt = job.start(
+            ["--steps", "20", *SHAPE, "--log-every", "5"],
+            {**proxy.env(), "TPUJOB_HANG_TIMEOUT_SECONDS": str(hang)},
+        )
+        seen: dict[str, dict[str, object]] = {}  # the records read while it ran, by updated_at
+        while attempt.running():
+            with contextlib.suppress(Exception):  # not written yet, or read mid-upload
+                record = job.progress()
+                seen[str(record["updated_at"])] = record
+            time.sleep(0.1)
+        assert attempt.wait(quiet=120) == [0], attempt.output()[-4000:]
+    assert job.committed_steps()[-1] == 20 and job.progress()["state"] == "succeeded"
+    records = [contract.from_json(json.dumps(r)) for r in seen.values()]
+    blocked = [(r.updated - _time(r.blocked_in_save_at)).total_seconds() for r in records if r.blocked_in_save_at]
+    assert blocked and max(blocked) >= hang / 2, sorted(seen)  # written while blocked in a save
+    assert max(blocked) <= hang + 1, blocked  # and not past the hang timeout of that save
+
+
+@pytest.mark.timeout(300)
 def test_storage_lost_while_training_ends_the_attempt_with_exit_3_before_the_hang_clock(
     faulty_job: Job, faulty_gcs: RestartableGcs
 ) -> None:
@@ -101,6 +137,12 @@ def test_storage_lost_while_training_ends_the_attempt_with_exit_3_before_the_han
     said = re.search(r"progress record could not be written for (\d+) s", attempt.output())
     assert said and int(said.group(1)) >= 8, attempt.output()[-4000:]  # it waited out half the hang clock
     assert set(committed) <= set(faulty_job.committed_steps())
+
+
+def _time(text: str) -> datetime:
+    moment = contract.parse_time(text)
+    assert moment is not None
+    return moment
 
 
 def _run_with_faults(faulty_job: Job, faulty_gcs: RestartableGcs, attempt: Attempt) -> None:
