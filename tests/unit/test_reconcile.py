@@ -276,6 +276,19 @@ def test_only_the_true_condition_carries_the_current_message():
     assert (pending.status, pending.reason, pending.message) == ("False", "Running", "the job is Running")
 
 
+def test_a_trainer_blocked_in_a_save_says_so_and_its_fresh_record_holds_the_hang_clock():
+    tj = training_job(
+        restart={"hangTimeoutSeconds": 60}, status={"phase": "Running", "attempt": 0, "lastProgressTime": rfc3339(T0)}
+    )
+    blocked_at = T0 + timedelta(seconds=30)  # silent for 55 s by its step, written 5 s ago by its save's wait
+    progress = _progress(step=50, attempt=0, updated_at=T0 + timedelta(seconds=80), blocked_in_save_at=blocked_at)
+    status, actions = reconcile(tj, Observed(now=T0 + timedelta(seconds=85), jobsets=(_active(),), progress=progress))
+    running = next(c for c in status.conditions if c.type == "Running")
+    assert status.phase == "Running" and not actions.delete, status
+    since = progress.blocked_in_save_at
+    assert running.message == f"training at step 50; blocked in a checkpoint save since {since}"
+
+
 def test_failed_saves_of_the_current_attempt_are_shown_in_status():
     """The trainer counts saves that raised (training goes on); the record carried the count and the
     operator dropped it. It is shown with the step, and goes once an attempt reports none."""

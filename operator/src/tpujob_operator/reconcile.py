@@ -699,7 +699,10 @@ def _while_active(
         return resized
     if status.phase != "Running":
         actions.events.append(Event("Normal", "Running", f"attempt {status.attempt} is training (step {status.step})"))
-    return with_phase(status, "Running", "Training", f"training at step {status.step}", now), actions
+    message = f"training at step {status.step}"
+    if progress is not None and progress.blocked_in_save_at:  # why the step stands still, before the hang clock says
+        message += f"; blocked in a checkpoint save since {progress.blocked_in_save_at}"
+    return with_phase(status, "Running", "Training", message, now), actions
 
 
 def _storage_unreadable_for(status: TrainingJobStatus, now: datetime) -> float:
