@@ -17,6 +17,7 @@ import os
 import shutil
 import signal
 import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -90,6 +91,8 @@ class FaultProxy:
     def __init__(self, upstream: FakeGcsServer):
         self.upstream = upstream
         self.rule: Rule | None = None
+        self.slow: Callable[[str, str], bool] = lambda method, path: False  # the requests to hold back
+        self.slow_seconds = 0.0
         self.answered: dict[int, int] = {}  # status -> how many requests got it (forwarded ones: 0)
         self._lock = threading.Lock()
         proxy = self
@@ -113,6 +116,8 @@ class FaultProxy:
 
             def _handle(self) -> None:
                 body = self._body()
+                if proxy.slow(self.command, self.path):
+                    time.sleep(proxy.slow_seconds)
                 status = proxy._pick(self.command, self.path)
                 if status is not None:
                     reason = _GCS_REASONS.get(status, "error")
@@ -185,6 +190,11 @@ class FaultProxy:
 
         with self._lock:
             self.rule = rule
+
+    def delay(self, seconds: float, when: Callable[[str, str], bool]) -> None:
+        """From now on, hold each request `when` picks back for `seconds` before forwarding it: slow
+        storage for those objects alone (each request of an upload, so a save takes at least that)."""
+        self.slow_seconds, self.slow = seconds, when
 
     def heal(self) -> None:
         with self._lock:

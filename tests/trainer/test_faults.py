@@ -15,9 +15,8 @@ from pathlib import Path
 import pytest
 import tpujob_contract as contract
 from tpujob_devcluster.fakegcs import FakeGcsServer
-from tpujob_devcluster.throttle import ThrottledProxy
 
-from tests.trainer.faults import RestartableGcs
+from tests.trainer.faults import FaultProxy, RestartableGcs
 from tests.trainer.procs import BUCKET, Attempt, Job
 
 SHAPE = ["--batch-size", "4", "--seq-len", "32"]
@@ -85,29 +84,25 @@ def test_storage_faults_mid_run_cost_nothing(
 
 @pytest.mark.timeout(300)
 def test_a_save_that_blocks_the_loop_past_the_hang_timeout_keeps_the_record_fresh_for_that_long(
-    job: Job, gcs: FakeGcsServer
+    proxied_job: Job, proxy: FaultProxy
 ) -> None:
-    """Storage slow enough that the final save (which first waits for the one in flight) blocks the
-    loop for several hang timeouts: the operator's hang clock reads the record's silence, so the
-    record is written meanwhile, saying since when the loop is blocked, for up to the hang timeout
-    and no longer (a save that never ends is still a hang). The stop found it: a job that had
-    committed its final step ended Failed/Hang."""
-    hang = 2
-    # About 1.8 MB a checkpoint (the tiny model's parameters and two Adam moments): at 300 kB/s each
-    # save takes about 6 s, three hang timeouts, on any machine.
-    with ThrottledProxy(gcs, 300_000) as proxy:
-        attempt = job.start(
-            ["--steps", "20", *SHAPE, "--log-every", "5"],
-            {**proxy.env(), "TPUJOB_HANG_TIMEOUT_SECONDS": str(hang)},
-        )
-        seen: dict[str, dict[str, object]] = {}  # the records read while it ran, by updated_at
-        while attempt.running():
-            with contextlib.suppress(Exception):  # not written yet, or read mid-upload
-                record = job.progress()
-                seen[str(record["updated_at"])] = record
-            time.sleep(0.1)
-        assert attempt.wait(quiet=120) == [0], attempt.output()[-4000:]
-    assert job.committed_steps()[-1] == 20 and job.progress()["state"] == "succeeded"
+    """Storage slow for checkpoints (every request of a save held back 1 s; the progress record's are
+    not) makes the final save, which first waits for the one in flight, block the loop for several
+    hang timeouts. The operator's hang clock reads the record's silence, so the record is written
+    meanwhile, saying since when the loop is blocked, for up to the hang timeout and no longer (a
+    save that never ends is still a hang). Stop 37's full run found it: a job that had committed its
+    final step ended Failed/Hang."""
+    job, hang = proxied_job, 1
+    proxy.delay(1.0, lambda method, path: "checkpoints" in path and method != "GET")
+    attempt = job.start(["--steps", "12", *SHAPE], {"TPUJOB_HANG_TIMEOUT_SECONDS": str(hang)})
+    seen: dict[str, dict[str, object]] = {}  # the records read while it ran, by updated_at
+    while attempt.running():
+        with contextlib.suppress(Exception):  # not written yet, or read mid-upload
+            record = job.progress()
+            seen[str(record["updated_at"])] = record
+        time.sleep(0.1)
+    assert attempt.wait(quiet=120) == [0], attempt.output()[-4000:]
+    assert job.committed_steps()[-1] == 12 and job.progress()["state"] == "succeeded"
     records = [contract.from_json(json.dumps(r)) for r in seen.values()]
     blocked = [(r.updated - _time(r.blocked_in_save_at)).total_seconds() for r in records if r.blocked_in_save_at]
     assert blocked and max(blocked) >= hang / 2, sorted(seen)  # written while blocked in a save
