@@ -316,14 +316,9 @@ def save(mngr: CheckpointManager, step: int, state: Any, status: AttemptProgress
         # The step is dispatched asynchronously: wait for it first, so that the time below is the
         # save's blocking part alone (the goodput ledger's checkpoint-save badput).
         jax.block_until_ready(state)  # type: ignore[no-untyped-call]
-        blocked_from = time.monotonic()
-        try:
-            with status.blocked_in_save():  # Orbax waits here for the save in flight, if any
-                started = mngr.save(step, args=ocp.args.StandardSave(state))
-        finally:
-            blocked = time.monotonic() - blocked_from
-            status.save_blocked(blocked)
-        return blocked if started else None
+        with status.blocked_in_save() as block:  # Orbax waits here for the save in flight, if any
+            started = mngr.save(step, args=ocp.args.StandardSave(state))
+        return block.seconds if started else None
     except Exception as err:
         status.save_failed()
         if classify(err) == Kind.DENIED:  # no retry can fix a refusal: end the attempt (exit 5)
@@ -360,12 +355,8 @@ def save_final(mngr: CheckpointManager, step: int, state: Any, status: AttemptPr
     """Make sure `step` is committed (the final step, or the SIGTERM step): retry a bounded number
     of times, because this checkpoint is the one a restart or the user will want."""
     delays = checkpointing.backoff_delays(2.0, 16.0)
-    blocked_from = time.monotonic()
-    try:
-        with status.blocked_in_save():
-            return _save_final_tries(mngr, step, state, status, delays)
-    finally:
-        status.save_blocked(time.monotonic() - blocked_from)
+    with status.blocked_in_save():
+        return _save_final_tries(mngr, step, state, status, delays)
 
 
 def _save_final_tries(

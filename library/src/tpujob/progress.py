@@ -28,6 +28,13 @@ if TYPE_CHECKING:  # checkpointing imports this module
 log = logging.getLogger("tpujob")
 
 
+@dataclasses.dataclass
+class SaveBlock:
+    """How long one save blocked the loop, known once it ended."""
+
+    seconds: float = 0.0
+
+
 class AttemptProgress:
     """The current attempt's contract.ProgressRecord as the trainer builds it up: its fields are the
     record's own (declared once, in the contract), set with `update` as they become known. Only the
@@ -48,19 +55,19 @@ class AttemptProgress:
         self._blocked_since: float | None = None  # monotonic: when the loop entered the save it is blocked in
 
     @contextlib.contextmanager
-    def blocked_in_save(self) -> Iterator[None]:
-        """The loop is blocked in a checkpoint save meanwhile; the record says since when. A save
-        inside another (the final save's tries) is part of it."""
-        if self._blocked_since is not None:
-            yield
-            return
-        self._blocked_since = time.monotonic()
+    def blocked_in_save(self) -> Iterator[SaveBlock]:
+        """The loop is blocked in a checkpoint save meanwhile: the record says since when, and the time
+        it took is added to save_blocking_seconds (the goodput ledger's checkpoint-save badput)."""
+        block = SaveBlock()
+        since = self._blocked_since = time.monotonic()
         self.update(blocked_in_save_at=contract.now_rfc3339())
         try:
-            yield
+            yield block
         finally:
+            block.seconds = time.monotonic() - since
             self._blocked_since = None
             self.update(blocked_in_save_at=None)
+            self.save_blocked(block.seconds)
 
     def blocked_seconds(self) -> float | None:
         """How long the loop has been blocked in the current save (None: it is not in one)."""
