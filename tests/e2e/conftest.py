@@ -8,6 +8,7 @@ processes), kwok replaces node VMs, TPU chips are CPU devices, fake-gcs-server r
 from __future__ import annotations
 
 import json
+import os
 import signal
 import threading
 import time
@@ -124,6 +125,45 @@ class E2E:
                 deadline = min(time.monotonic() + timeout, started + cap)
             time.sleep(0.5)
         raise AssertionError(f"{name}: waiting for {what}; last status {status}\n{self.logs_tail(name)}")
+
+    def cpu_seconds(self, name: str) -> float:
+        """CPU time the job's pods have burnt so far (the pod runner's process groups): a trainer that
+        compiles or restores in silence still burns it, one that waits on a dead peer does not."""
+        ticks = 0
+        for directory in self.pod_dirs(name):
+            try:
+                pids = pod_pids(self.cluster.state_dir, self.namespace, directory.name)
+            except (OSError, ValueError):
+                continue  # a pod not started, or gone
+            for pid in pids:
+                try:
+                    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+                except OSError:
+                    continue
+                ticks += int(fields[11]) + int(fields[12])  # utime, stime
+        return ticks / os.sysconf("SC_CLK_TCK")
+
+    def wait_working(
+        self, name: str, predicate: Callable[[dict[str, Any]], bool], what: str, quiet: float = 180, busy: float = 10
+    ) -> dict[str, Any]:
+        """The job's status once `predicate` holds; fails only on a stall: `quiet` seconds in which its
+        step did not move and its pods burnt less than `busy` CPU seconds (a start-up's compile is
+        silent in the log and in status, and takes what a loaded machine makes it take)."""
+        status: dict[str, Any] = {}
+        mark = (time.monotonic(), -1, self.cpu_seconds(name))
+        while True:
+            status = self.status(name)
+            if predicate(status):
+                return status
+            if status.get("phase") == "Failed" and "Failed" not in what:
+                break
+            now, step, cpu = time.monotonic(), status.get("step") or 0, self.cpu_seconds(name)
+            if step > mark[1] or cpu - mark[2] >= busy:
+                mark = (now, step, cpu)
+            elif now - mark[0] > quiet:
+                break
+            time.sleep(0.5)
+        raise AssertionError(f"{name}: stalled waiting for {what}; last status {status}\n{self.logs_tail(name)}")
 
     @staticmethod
     def until(probe: Callable[[], bool], timeout: float, what: str) -> None:
