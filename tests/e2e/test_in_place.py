@@ -35,14 +35,15 @@ def _apply_in_place(e2e: Any, name: str, gcs_interval: int) -> None:
     )
 
 
+def _wait_local_ahead_of_gcs(e2e: Any, name: str) -> None:
+    """Until the job trains several local intervals past GCS's first save."""
+    past = GCS_INTERVAL + 4 * LOCAL_INTERVAL
+    e2e.wait(name, lambda s: s.get("phase") == "Running" and (s.get("step") or 0) > past, 300, "training")
+
+
 def test_a_crashed_trainer_restarts_in_place_from_the_local_tier(e2e):
     _apply_in_place(e2e, "inplace", GCS_INTERVAL)
-    e2e.wait(
-        "inplace",
-        lambda s: s.get("phase") == "Running" and (s.get("step") or 0) > GCS_INTERVAL + 4 * LOCAL_INTERVAL,
-        300,
-        "training",
-    )
+    _wait_local_ahead_of_gcs(e2e, "inplace")
     before = live_pod_uids(e2e.core, e2e.namespace, "inplace-a0")
     assert len(before) == 2, before
     victim = e2e.running_pod("inplace-a0-slice-1-0")
@@ -68,9 +69,9 @@ def test_a_crashed_trainer_restarts_in_place_from_the_local_tier(e2e):
     e2e.wait_events("inplace", {"RestartingInPlace"})
 
 
-def test_a_lost_node_replaces_only_its_pod_and_the_rest_restart_in_place(e2e):
-    _apply_in_place(e2e, "inplacenode", 20)
-    e2e.wait("inplacenode", lambda s: s.get("phase") == "Running" and (s.get("step") or 0) > 30, 300, "training")
+def test_a_lost_node_replaces_only_its_pod_restores_it_from_the_other_slice_and_the_rest_restart_in_place(e2e):
+    _apply_in_place(e2e, "inplacenode", GCS_INTERVAL)
+    _wait_local_ahead_of_gcs(e2e, "inplacenode")
     before = live_pod_uids(e2e.core, e2e.namespace, "inplacenode-a0")
     assert len(before) == 2, before
     lost = e2e.running_pod("inplacenode-a0-slice-1-0")
@@ -98,9 +99,13 @@ def test_a_lost_node_replaces_only_its_pod_and_the_rest_restart_in_place(e2e):
         assert replacement.spec.node_name != node.name
         survivor = e2e.core.read_namespaced_pod(kept, e2e.namespace)
         assert survivor.status.container_statuses[0].restart_count >= 1, survivor.status.container_statuses
-        # The replacement's memory volume is new, so not every process holds a local step: GCS for all.
+        # The replacement's memory volume is new: the survivor's slice sent it the newest local step, a
+        # step the bucket never had (no byte of the restore came from GCS).
         record = e2e.progress("inplacenode")
-        assert record is not None and record.restored_from == "gcs", record
+        assert record is not None and record.restored_from == "peer", record
+        assert record.restored_step is not None and record.restored_step not in e2e.committed_steps("inplacenode")
+        assert failure["resumeStep"] == record.restored_step and failure["lostSteps"] <= 2 * LOCAL_INTERVAL, failure
+        assert failure["restoredFrom"] == "peer", failure
     finally:
         node.restore(e2e.core)
 

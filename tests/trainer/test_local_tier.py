@@ -16,10 +16,12 @@ import shutil
 import signal
 from pathlib import Path
 
+import numpy as np
 import pytest
 import tpujob_contract as contract
 from tpujob import local_tier
 from tpujob.config import ConfigError, LocalTierConfig
+from tpujob.peer import LocalPlan, first_sources, local_plans, slice_of_process
 from tpujob_devcluster.fakegcs import FakeGcsServer
 from tpujob_trainer.config import parse_config
 
@@ -154,7 +156,8 @@ def test_a_missing_half_written_damaged_foreign_or_unusable_local_directory_rest
         assert resumed.wait(120) == [0], f"{case}:\n{resumed.output()}"
         assert _restored(job) == ("gcs", latest), f"{case}:\n{resumed.output()}"
         assert spoil is None or latest < newest
-        why = {"missing": "(agreed: None)", "half-written": "(agreed: None)",
+        nothing = "no slice's local tiers hold a step"
+        why = {"missing": nothing, "half-written": nothing,
                "damaged": f"local step {newest} could not be restored here", "foreign": "not this run",
                "unusable": "local tier: off for this attempt"}  # fmt: skip
         assert why[case] in resumed.output(), f"{case}:\n{resumed.output()}"
@@ -187,9 +190,37 @@ def test_two_processes_restore_the_newest_local_step_both_hold_never_a_mix(
         job.kill_all()
 
 
-def _start_two(job: Job, dirs: list[Path]) -> Attempt:
+@pytest.mark.timeout(300)
+def test_a_process_whose_memory_volume_is_new_receives_the_newest_local_step_from_the_other_slice(
+    gcs: FakeGcsServer, trainer_env: dict[str, str], tmp_path: Path, run_name: str
+) -> None:
+    """Two slices of one process each (the state is replicated over the slices). Process 1's node is
+    replaced between two attempts: its local directory is new. Process 0 sends it the newest local step,
+    a step GCS never had (so no byte of it came from the bucket), and the run ends on the bits of an
+    uninterrupted one."""
+    reference, job = _reference_and_interrupted(gcs, trainer_env, tmp_path, run_name)
+    dirs = [tmp_path / "local-0", tmp_path / "local-1"]
+    try:
+        uninterrupted = reference.start(ARGS, GCS_EVERY_10, processes=2, slices=2)
+        gcs_step, held = _kill_ahead_of_gcs(job, _start_two(job, dirs, slices=2), dirs)
+        assert uninterrupted.wait(180) == [0, 0]
+        shutil.rmtree(dirs[1])  # a new, empty memory volume
+        resumed = _start_two(job, dirs, slices=2)
+        assert resumed.wait(180) == [0, 0], resumed.output(0) + resumed.output(1)
+        newest = held[0][-1]
+        assert _restored(job) == ("peer", newest) and newest > gcs_step, resumed.output(0) + resumed.output(1)
+        assert newest not in job.committed_steps()
+        assert f"resume: restoring step {newest} from the local tiers of slice 0 (sending)" in resumed.output(0)
+        assert f"resume: restoring step {newest} from the local tiers of slice 0 (receiving)" in resumed.output(1)
+        assert job.digest(M) == reference.digest(M)
+    finally:
+        reference.kill_all()
+        job.kill_all()
+
+
+def _start_two(job: Job, dirs: list[Path], slices: int = 1) -> Attempt:
     """Two processes, each with its own local directory (its own node's emptyDir)."""
-    return job.start(ARGS, GCS_EVERY_10, processes=2, slices=1, process_env=lambda i: _local_env(dirs[i]))
+    return job.start(ARGS, GCS_EVERY_10, processes=2, slices=slices, process_env=lambda i: _local_env(dirs[i]))
 
 
 @pytest.mark.timeout(240)
@@ -266,15 +297,36 @@ def test_the_local_interval_is_the_smallest_multiple_within_the_budget() -> None
     assert local_tier.debt_steps(0.0, 0.010) == 0 and local_tier.debt_steps(1.0, 0.0) == 0  # nothing owed, measured
 
 
-def test_the_agreed_step_is_the_newest_every_process_holds() -> None:
-    assert local_tier.common_step([[4, 6], [4, 6]]) == 6
-    assert local_tier.common_step([[4, 6], [4]]) == 4  # process 1 lost step 6: both restore 4
-    assert local_tier.common_step([[6], [4]]) is None  # nothing in common: GCS
-    assert local_tier.common_step([[6], []]) is None
-    assert local_tier.choose_local(6, 4, fresh=False) and local_tier.choose_local(6, 6, fresh=False)
-    assert local_tier.choose_local(6, None, fresh=False)
-    assert not local_tier.choose_local(4, 6, fresh=False)  # GCS is newer
-    assert not local_tier.choose_local(None, 6, fresh=False) and not local_tier.choose_local(6, 4, fresh=True)
+def test_the_agreed_step_is_the_newest_some_slice_holds_whole_and_own_tiers_come_next() -> None:
+    one_slice, two_slices = [0, 0], [0, 1]
+    assert local_plans([[4, 6], [4, 6]], one_slice, None) == [LocalPlan(6, None)]
+    # Process 1 lost step 6: in one slice nobody else has its shards, both restore 4 from their own.
+    assert local_plans([[4, 6], [4]], one_slice, None) == [LocalPlan(4, None)]
+    assert local_plans([[6], [4]], one_slice, None) == []  # nothing in common: GCS
+    assert local_plans([[6], []], one_slice, None) == []
+    # Two slices: slice 0 sends 6 to process 1; if that cannot be, both hold 4.
+    assert local_plans([[4, 6], [4]], two_slices, None) == [LocalPlan(6, 0), LocalPlan(4, None)]
+    assert local_plans([[6], []], two_slices, 4) == [LocalPlan(6, 0)]  # a new memory volume
+    assert local_plans([[4], [6]], two_slices, None) == [LocalPlan(6, 1)]  # from the lowest slice holding it
+    assert local_plans([[4, 6], [4, 6]], two_slices, 6) == [LocalPlan(6, None)]  # at GCS's: local wins
+    assert local_plans([[4, 6], [4, 6]], two_slices, 8) == []  # GCS is newer
+    # Two processes per slice: a slice offers only the steps all its processes hold.
+    assert local_plans([[6], [4], [4, 6], [4, 6]], [0, 0, 1, 1], None) == [LocalPlan(6, 1)]
+    assert local_plans([[6], [4], [4], [4, 6]], [0, 0, 1, 1], None) == [LocalPlan(4, 1)]
+    assert [slice_of_process(p, 4, 2) for p in range(4)] == [0, 0, 1, 1]
+
+
+def test_each_replica_group_takes_its_first_holding_device_or_there_is_no_plan() -> None:
+    # A (data=2, fsdp=2) mesh whose row 0 (slice 0) holds the step.
+    holds = np.array([[True, True], [False, False]])
+    # Sharded over fsdp, replicated over data: each column's source is its slice-0 device.
+    assert first_sources(holds, [0]).tolist() == [[True, True], [False, False]]  # type: ignore[union-attr]
+    # Replicated over both (a scalar): one source for all four devices.
+    assert first_sources(holds, [0, 1]).tolist() == [[True, False], [False, False]]  # type: ignore[union-attr]
+    # Sharded over data (not replicated over the slices): row 1's shards are held nowhere.
+    assert first_sources(holds, [1]) is None
+    assert first_sources(holds, []) is None
+    assert first_sources(np.ones((2, 2), bool), []).tolist() == [[True, True], [True, True]]  # type: ignore[union-attr]
 
 
 def test_the_local_tier_is_off_without_its_directory_and_its_interval_is_checked() -> None:

@@ -14,7 +14,7 @@ import tpujob_contract as contract
 from hypothesis import given
 from hypothesis import strategies as st
 from tpujob.progress import ProgressWriter
-from tpujob_operator.api import OPERATOR_ENV_NAMES, OPERATOR_ENV_PREFIXES, TrainingJobStatus
+from tpujob_operator.api import OPERATOR_ENV_NAMES, OPERATOR_ENV_PREFIXES, FailureRecord, TrainingJobStatus
 from tpujob_operator.facts import Observed
 from tpujob_operator.jobset import build_jobset
 from tpujob_operator.status import with_observations
@@ -191,3 +191,27 @@ def test_a_spec_that_sets_only_the_policy_gets_the_trainers_own_defaults(policy:
     if policy != "interval":  # the operator sends 0 outside policy interval
         from_defaults = dataclasses.replace(from_defaults, interval_steps=0)
     assert from_defaults == from_operator
+
+
+def test_the_failure_says_which_tier_its_in_place_recovery_restored_from():
+    """The record of the process restarted after an in-place failure names its tier; the record of a
+    process that started before the failure (the failed round's own) does not decide it."""
+    failure = FailureRecord(time="2026-12-06T10:00:00Z", kind="NodeLost", reason="NodeGone", rung="InPlace",
+                            resume_step=100)  # fmt: skip
+    status = TrainingJobStatus(attempt=0, last_failure=failure)
+
+    def record(started: str) -> contract.ProgressRecord:
+        return contract.ProgressRecord(
+            step=126, attempt=0, updated_at="2026-12-06T10:00:30Z", process_started_at=started,
+            restored_step=125, restored_from=contract.RESTORED_FROM_PEER,
+        )  # fmt: skip
+
+    def shown(progress: contract.ProgressRecord) -> FailureRecord | None:
+        read = contract.from_json(contract.to_json(progress).encode())
+        return with_observations(status, Observed(now=read.updated, progress=read)).last_failure
+
+    after = shown(record("2026-12-06T10:00:10Z"))
+    assert after is not None and (after.restored_from, after.resume_step) == ("peer", 125)
+    assert after.model_dump(by_alias=True, exclude_none=True)["restoredFrom"] == "peer"
+    before = shown(record("2026-12-06T09:00:00Z"))
+    assert before is not None and before.restored_from is None

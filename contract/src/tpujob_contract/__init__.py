@@ -244,8 +244,9 @@ STORAGE_DENIED_PREFIX: Final = "StoragePermissionDenied: "
 
 State = Literal["starting", "running", "succeeded", "preempted", "failed", "incompatible"]
 # The tier an attempt's restored step came from (ProgressRecord.restored_from).
-RestoredFrom = Literal["local", "gcs"]
-RESTORED_FROM_LOCAL: Final[RestoredFrom] = "local"
+RestoredFrom = Literal["local", "peer", "gcs"]
+RESTORED_FROM_LOCAL: Final[RestoredFrom] = "local"  # each process's own local tier
+RESTORED_FROM_PEER: Final[RestoredFrom] = "peer"  # a peer slice's local tiers, over the network
 RESTORED_FROM_GCS: Final[RestoredFrom] = "gcs"
 ERROR_TEXT_LIMIT: Final = 200
 

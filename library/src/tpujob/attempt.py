@@ -25,7 +25,7 @@ import tpujob_contract as contract
 from jax.experimental import multihost_utils
 from tpujob_contract import ExitCode
 
-from tpujob import checkpointing, failures, local_tier, progress
+from tpujob import checkpointing, failures, local_tier, peer, progress
 from tpujob.checkpointing import (
     CheckpointIncompatible,
     CheckpointManager,
@@ -252,31 +252,70 @@ def restore_or_init(
 
 
 def restore_local(model: StateModel[S], local: LocalTier, gcs_step: int | None, status: AttemptProgress) -> S | None:
-    """The local tier's state when every process holds the same committed local step, at least as new
-    as GCS's choice (`gcs_step`), and every process restored it; else None (restore from GCS)."""
-    step = local_tier.agree_common_step(local.committed_steps())
-    if not local_tier.choose_local(step, gcs_step, fresh=False):
-        log.info("resume: local tier holds no step every process has, at or after GCS's %s (agreed: %s)",
-                 gcs_step, step)  # fmt: skip
+    """The state of the newest committed local step at least as new as GCS's choice (`gcs_step`) that
+    every process of some slice holds: from each process's own tier when all hold it, else copied from
+    that slice's processes to the others (peer.py). None when no plan restores on every process
+    (restore from GCS). Every process takes the same plans, in the same order."""
+    topology = jax.process_count(), local.num_slices
+    slices = [peer.slice_of_process(p, *topology) for p in range(jax.process_count())]
+    plans = peer.local_plans(local_tier.gather_steps(local.committed_steps()), slices, gcs_step)
+    if not plans:
+        log.info("resume: no slice's local tiers hold a step at or after GCS's %s", gcs_step)
         return None
-    assert step is not None
-    log.info("resume: restoring step %d from the local tier %s (GCS's latest: %s)", step, local.manager.directory,
-             gcs_step)  # fmt: skip
+    for plan in plans:
+        if (state := _restore_plan(model, local, plan, slices, status)) is not None:
+            local.forget_after(plan.step)
+            return state
+    return None
+
+
+def _restore_plan(
+    model: StateModel[S], local: LocalTier, plan: peer.LocalPlan, slices: list[int], status: AttemptProgress
+) -> S | None:
+    step, me = plan.step, jax.process_index()
+    if plan.source_slice is None:
+        log.info("resume: restoring step %d from the local tier %s", step, local.manager.directory)
+        tables = None
+    else:
+        sources = frozenset(p for p, s in enumerate(slices) if s == plan.source_slice)
+        if (tables := peer.peer_tables(model.abstract_state, sources)) is None:
+            log.info("resume: step %d is held by slice %d alone, and the state is not replicated across the"
+                     " slices (a per-process leaf): not from a peer", step, plan.source_slice)  # fmt: skip
+            return None
+        role = "sending" if me in sources else "receiving"
+        log.info("resume: restoring step %d from the local tiers of slice %d (%s)", step, plan.source_slice, role)
     status.update(restore_started_at=contract.now_rfc3339())
     state: S | None = None
     try:
-        state = local.restore(step, model.abstract_state)
-        if (held := model.step_of(state)) != step:
-            raise CheckpointMismatch(f"local checkpoint {step} holds step {held}")
+        if tables is None:
+            state = _holding(model, local.restore(step, model.abstract_state), step)
+        elif me in sources:
+            state = local.restore_alone(step, model.abstract_state)
+        else:
+            state = peer.zeros_like_abstract(model.abstract_state)
     except Exception as err:
         log.warning("resume: local step %d could not be restored here (%s)", step, failures.short_error(err))
-        state = None
     if not checkpointing.agree_all(state is not None):
-        log.warning("resume: local step %d not restored on every process; restoring from GCS", step)
+        log.warning("resume: local step %d not restored on every process", step)
         return None
+    if tables is not None:  # the copy is a collective: every process is here, or none is
+        try:
+            state = _holding(model, peer.copy_from_sources(state, tables), step)
+        except Exception as err:
+            log.warning("resume: local step %d not received from slice %d (%s)", step, plan.source_slice,
+                        failures.short_error(err))  # fmt: skip
+            state = None
+        if not checkpointing.agree_all(state is not None):
+            return None
+    assert state is not None
     status.update(restore_finished_at=contract.now_rfc3339())
-    status.restored(step, (), contract.RESTORED_FROM_LOCAL)
-    local.forget_after(step)
+    status.restored(step, (), contract.RESTORED_FROM_LOCAL if tables is None else contract.RESTORED_FROM_PEER)
+    return state
+
+
+def _holding(model: StateModel[S], state: S, step: int) -> S:
+    if (held := model.step_of(state)) != step:
+        raise CheckpointMismatch(f"local checkpoint {step} holds step {held}")
     return state
 
 

@@ -178,6 +178,7 @@ class LocalTier:
 
     def __init__(self, cfg: LocalTierConfig, run_dir: str, job_uid: str, num_slices: int):
         self.cfg = cfg
+        self.num_slices = num_slices
         absl_log = logging.getLogger("absl")
         if _quiet_orbax not in absl_log.filters:
             absl_log.addFilter(_quiet_orbax)
@@ -292,32 +293,30 @@ class LocalTier:
         restore_args = ocp.checkpoint_utils.construct_restore_args(abstract_state)
         return self.manager.restore(step, args=ocp.args.PyTreeRestore(item=abstract_state, restore_args=restore_args))
 
+    def restore_alone(self, step: int, abstract_state: Any) -> Any:
+        """This process's shards of `step`, with no barrier: the processes that do not hold it (a peer
+        restore's receivers) do not call this."""
+        me = {jax.process_index()}
+        options = ocp.options.MultiprocessingOptions(
+            primary_host=None, active_processes=me, barrier_sync_key_prefix="tpujob-peer"
+        )
+        with ocp.Checkpointer(_handler(me), multiprocessing_options=options) as checkpointer:
+            restore_args = ocp.checkpoint_utils.construct_restore_args(abstract_state)
+            item = Path(self.manager.directory) / str(step) / ocp.checkpoint_manager.DEFAULT_ITEM_NAME
+            args = ocp.args.PyTreeRestore(item=abstract_state, restore_args=restore_args)
+            return checkpointer.restore(item, args=args)
+
     def close(self) -> None:
         self.manager.wait_until_finished()
         self.manager.close()
 
 
-def common_step(per_process: Sequence[Sequence[int]]) -> int | None:
-    """The newest step every process holds committed, or None."""
-    if not per_process:
-        return None
-    common = set(per_process[0]).intersection(*map(set, per_process[1:]))
-    return max(common) if common else None
-
-
-def agree_common_step(mine: Sequence[int]) -> int | None:
-    """common_step over every process's committed local steps (a collective with >1 process)."""
+def gather_steps(mine: Sequence[int]) -> list[list[int]]:
+    """Every process's newest committed local steps, by process (a collective with >1 process)."""
     newest = sorted(mine, reverse=True)[:_AGREE_SLOTS]
     if jax.process_count() == 1:
-        return common_step([newest])
+        return [newest]
     padded = np.full(_AGREE_SLOTS, -1, dtype=np.int32)
     padded[: len(newest)] = newest
     gathered = np.asarray(multihost_utils.process_allgather(padded)).reshape(jax.process_count(), _AGREE_SLOTS)
-    return common_step([[int(s) for s in row if s >= 0] for row in gathered])
-
-
-def choose_local(local_step: int | None, gcs_step: int | None, fresh: bool) -> bool:
-    """Restore from the local tier only when it holds an agreed step at least as new as GCS's choice."""
-    if fresh or local_step is None:
-        return False
-    return gcs_step is None or local_step >= gcs_step
+    return [[int(s) for s in row if s >= 0] for row in gathered]

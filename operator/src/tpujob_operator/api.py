@@ -1003,6 +1003,11 @@ class FailureRecord(StatusModel):
     recovery_seconds: float | None = Field(
         default=None, description="Failure -> first step trained by the replacement attempt, in seconds."
     )
+    restored_from: contract.RestoredFrom | None = Field(
+        default=None,
+        description="Where the replacement's processes restored resumeStep from (the trainer's record): local "
+        "(each its own local tier), peer (another slice's local tiers, over the network) or gcs.",
+    )
     timeline: FailureTimeline = Field(default_factory=FailureTimeline, description="The recovery, stage by stage.")
     evidence: FailureEvidence | None = Field(
         default=None, description="The node signal that made it NodeLost or Preemption, when the nodes decided it."

@@ -91,6 +91,14 @@ def with_observations(status: TrainingJobStatus, observed: Observed) -> Training
         ):
             update["lost_steps"], failure = moved
             update["last_failure"] = failure
+        if (
+            failure is not None
+            and progress.restored_from is not None
+            and failure.restored_from != progress.restored_from
+            and recovering_record(failure, progress)
+        ):
+            failure = failure.model_copy(update={"restored_from": progress.restored_from})
+            update["last_failure"] = failure
         # The first step trained by the attempt that replaced the failed one, or its success when it
         # resumed at the final step and had none to train: the failure's cost in time.
         trained = failure is not None and progress.step > (failure.resume_step or -1)
