@@ -16,12 +16,14 @@ import shutil
 import signal
 from pathlib import Path
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 import tpujob_contract as contract
 from tpujob import local_tier
 from tpujob.config import ConfigError, LocalTierConfig
-from tpujob.peer import LocalPlan, first_sources, local_plans, slice_of_process
+from tpujob.peer import LocalPlan, carried, first_sources, local_plans, slice_of_process
 from tpujob_devcluster.fakegcs import FakeGcsServer
 from tpujob_trainer.config import parse_config
 
@@ -327,6 +329,9 @@ def test_each_replica_group_takes_its_first_holding_device_or_there_is_no_plan()
     assert first_sources(holds, [1]) is None
     assert first_sources(holds, []) is None
     assert first_sources(np.ones((2, 2), bool), []).tolist() == [[True, True], [True, True]]  # type: ignore[union-attr]
+    # What travels as int32 bits: not 64-bit numbers, nor PRNG keys (such a state restores from its own or GCS).
+    assert all(carried(t) for t in (np.float32, np.int8, np.bool_, jnp.bfloat16))
+    assert not carried(np.float64) and not carried(jax.random.key(0).dtype)
 
 
 def test_the_local_tier_is_off_without_its_directory_and_its_interval_is_checked() -> None:

@@ -108,10 +108,18 @@ def peer_tables(abstract_state: Any, sources: frozenset[int]) -> list[np.ndarray
     tables = []
     for leaf in jax.tree_util.tree_leaves(abstract_state):
         table = source_table(getattr(leaf, "sharding", None), sources)
-        if table is None or jnp.dtype(leaf.dtype).itemsize > 4:  # 64-bit leaves: not carried as int32
+        if table is None or not carried(leaf.dtype):
             return None
         tables.append(table)
     return tables
+
+
+def carried(dtype: Any) -> bool:
+    """Whether a leaf of this dtype travels as int32 bits: booleans and numbers of at most 32 bits; not
+    64-bit numbers, nor PRNG keys (an extended dtype)."""
+    if jnp.issubdtype(dtype, jax.dtypes.extended):
+        return False
+    return bool(np.dtype(dtype) == np.bool_ or np.dtype(dtype).itemsize <= 4)
 
 
 def zeros_like_abstract(abstract_state: Any) -> Any:
@@ -171,7 +179,7 @@ class _Source:
     table: np.ndarray
 
 
-@functools.partial(jax.jit, static_argnums=1)
+@functools.partial(jax.jit, static_argnums=1, donate_argnums=0)  # the copy's output reuses its input
 def _copy(state: Any, sources: tuple[_Source, ...]) -> Any:
     leaves, tree = jax.tree_util.tree_flatten(state)
     return jax.tree_util.tree_unflatten(tree, [_copy_leaf(x, s) for x, s in zip(leaves, sources, strict=True)])
