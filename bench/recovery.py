@@ -70,7 +70,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -106,7 +106,8 @@ BASELINE_NAMESPACE = "tpujob-bench-baseline"  # the baseline's jobs; its operato
 TRAININGJOBS = (contract.TRAININGJOB_GROUP, contract.TRAININGJOB_VERSION)
 JOBSETS = (contract.JOBSET_GROUP, contract.JOBSET_VERSION)
 POLICIES = ("continuous", "interval")
-SOURCES = ("operator/src", "trainer_image/src", "contract/src")  # what a revision's PYTHONPATH puts first
+# What a revision's PYTHONPATH puts first.
+SOURCES = ("operator/src", "trainer_image/src", "library/src", "contract/src")
 STAGES = (
     "failure_visible", "detection", "decision_to_jobset", "operator_share", "jobset_to_scheduled",
     "scheduled_to_recovered", "scheduled_to_process", "process_to_storage", "storage_to_restored",
@@ -525,6 +526,7 @@ class Rung:
     key: str
     strategy: str  # Recreate | InPlace
     local: bool
+    trainer_path: str | None = None  # an older revision's trainer first on PYTHONPATH (--baseline-rev)
 
 
 RUNGS = {
@@ -545,6 +547,7 @@ RUNG_PICKS: dict[str, Callable[[dict[str, Any]], float | None]] = {
     "pods_rescheduled": lambda r: r["pods_rescheduled"],
     "steps_lost": lambda r: r["steps_lost"],
     "status_lost_steps": lambda r: r["status_lost_steps"],
+    "gcs_bytes_read": lambda r: r.get("gcs_bytes_read"),
 }
 
 
@@ -569,6 +572,7 @@ def _rung_manifest(
             "env": [
                 {"name": contract.PROGRESS_INTERVAL_ENV, "value": "0.5"},
                 *({"name": k, "value": v} for k, v in (storage_env or {}).items()),
+                *([{"name": "PYTHONPATH", "value": rung.trainer_path}] if rung.trainer_path else []),
             ],
             "tpu": {"accelerator": "tpu-v5-lite-podslice", "topology": "2x2", "slices": 2},
             "checkpoint": checkpoint,
@@ -592,6 +596,10 @@ DEFAULT_GCS_MB_PER_S = 25.0
 
 class RungBench(Bench):
     storage_env: dict[str, str] | None = None  # the trainers' GCS endpoints, when throttled
+    proxy: ThrottledProxy | None = None  # their throttle, which counts the bytes
+
+    def gcs_bytes_read(self) -> int | None:
+        return self.proxy.transferred["down"] if self.proxy else None
 
     def pod_uids(self, name: str) -> dict[str, str]:
         """The job's live pods (any attempt): name -> uid."""
@@ -658,6 +666,7 @@ class RungBench(Bench):
         pod, pid = self.wait(lambda: self.victim(name))
         before_uids = self.pod_uids(name)
         before = checkpoints.read_progress(self.gcs, run_dir)
+        read_before = self.gcs_bytes_read()
         lost = None
         if mode == "node":
             lost = lose_node(self.core, NAMESPACE, pod)
@@ -667,6 +676,7 @@ class RungBench(Bench):
         last = [before.step if before else 0]
         progress: contract.ProgressRecord = self.wait(lambda: self.recovered(run_dir, killed, last), interval=0.05)
         recovered_at = time.monotonic()
+        read_after = self.gcs_bytes_read()
         if lost is not None:  # the next failure finds the pools as the job began
             lost.restore(self.core)
         status = self.failure_status(name, count)
@@ -688,6 +698,9 @@ class RungBench(Bench):
             "reported_step": reported,
             "restored_step": progress.restored_step,
             "restored_from": progress.restored_from,
+            # What the trainers read from GCS between the failure and the first new step (the restore,
+            # and the progress record's reads: a few kB), through the throttle.
+            "gcs_bytes_read": None if read_before is None or read_after is None else read_after - read_before,
             "steps_lost": reported - (progress.restored_step or 0) if reported is not None else None,
             "status_lost_steps": failure.get("lostSteps"),
             "stages": {
@@ -811,7 +824,7 @@ def _bench_rungs(
         if gcs_mb_per_s > 0:
             assert cluster.gcs is not None
             proxy = ThrottledProxy(cluster.gcs, gcs_mb_per_s * 1e6 * RUNG_HOSTS).start()
-            bench.storage_env = proxy.env()
+            bench.storage_env, bench.proxy = proxy.env(), proxy
         helm_install_operator(cluster.kubeconfig)
         cluster_seconds = round(time.monotonic() - t0, 1)
         runs = []
@@ -925,7 +938,11 @@ def _main_rungs(args: argparse.Namespace) -> None:
         sys.exit(f"unknown rungs {unknown}; choose from {list(RUNGS)}")
     rungs = [RUNGS[k] for k in keys]
     started = time.monotonic()
-    with tempfile.TemporaryDirectory(prefix="tpujob-bench-") as temp:
+    with tempfile.TemporaryDirectory(prefix="tpujob-bench-") as temp, _checkout(args.baseline_rev, Path(temp)) as base:
+        if base is not None:  # each rung with that revision's trainer first (the ratios are over it)
+            rev, _, source = base
+            path = ":".join(str(source / d) for d in SOURCES if (source / d).is_dir())
+            rungs = [r for rung in rungs for r in (replace(rung, key=f"{rung.key}@{rev}", trainer_path=path), rung)]
         runs, cluster_seconds, throttled_bytes = _bench_rungs(
             rungs,
             args.model,
@@ -954,7 +971,11 @@ def _main_rungs(args: argparse.Namespace) -> None:
         "gcs_bytes_through_throttle": throttled_bytes,
         "command": " ".join(["bench/recovery.py", *sys.argv[1:]]),
         "commit": f"{git('rev-parse', 'HEAD')} (working tree)",
-        "rungs": {r.key: {"strategy": r.strategy, "local": r.local} for r in rungs},
+        "baseline_trainer": args.baseline_rev,
+        "rungs": {
+            r.key: {"strategy": r.strategy, "local": r.local, "trainer": r.trainer_path or "working tree"}
+            for r in rungs
+        },
         "failures_per_job": args.failures,
         "rounds": args.rounds,
         "stages": list(RUNG_STAGES),
