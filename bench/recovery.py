@@ -54,6 +54,10 @@ default egress quota of 200 Gbps per project and region, over 1,000 hosts restor
 `--failure node` (with `--spare-nodes 1`) deletes the victim's node instead of killing its trainer: the
 pod is gone with it and is replaced on the spare node, the other workers restart in place (InPlace) or
 are recreated (Recreate); the node comes back after each recovery. The stages are the same.
+With `--baseline-rev REV`, each rung runs twice per round, first as `<rung>-base` with REV's trainer
+first on the pods' PYTHONPATH (the operator is this tree's), then with this tree's: the ratios are over
+the first. Per failure, `gcs_bytes_read` counts what the trainers read through the throttle between
+the failure and the first new step (the restore, and a few kB of progress-record reads).
 """
 
 from __future__ import annotations
@@ -940,9 +944,9 @@ def _main_rungs(args: argparse.Namespace) -> None:
     started = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="tpujob-bench-") as temp, _checkout(args.baseline_rev, Path(temp)) as base:
         if base is not None:  # each rung with that revision's trainer first (the ratios are over it)
-            rev, _, source = base
+            _, _, source = base
             path = ":".join(str(source / d) for d in SOURCES if (source / d).is_dir())
-            rungs = [r for rung in rungs for r in (replace(rung, key=f"{rung.key}@{rev}", trainer_path=path), rung)]
+            rungs = [r for rung in rungs for r in (replace(rung, key=f"{rung.key}-base", trainer_path=path), rung)]
         runs, cluster_seconds, throttled_bytes = _bench_rungs(
             rungs,
             args.model,
