@@ -193,13 +193,15 @@ def test_two_processes_restore_the_newest_local_step_both_hold_never_a_mix(
 
 
 @pytest.mark.timeout(300)
+@pytest.mark.parametrize("sender", ["intact", "damaged"])
 def test_a_process_whose_memory_volume_is_new_receives_the_newest_local_step_from_the_other_slice(
-    gcs: FakeGcsServer, trainer_env: dict[str, str], tmp_path: Path, run_name: str
+    sender: str, gcs: FakeGcsServer, trainer_env: dict[str, str], tmp_path: Path, run_name: str
 ) -> None:
     """Two slices of one process each (the state is replicated over the slices). Process 1's node is
     replaced between two attempts: its local directory is new. Process 0 sends it the newest local step,
     a step GCS never had (so no byte of it came from the bucket), and the run ends on the bits of an
-    uninterrupted one."""
+    uninterrupted one. If process 0 cannot read that step (damaged), both processes say so, nobody
+    waits for the other in a copy that will not come, and both restore GCS's latest."""
     reference, job = _reference_and_interrupted(gcs, trainer_env, tmp_path, run_name)
     dirs = [tmp_path / "local-0", tmp_path / "local-1"]
     try:
@@ -207,13 +209,20 @@ def test_a_process_whose_memory_volume_is_new_receives_the_newest_local_step_fro
         gcs_step, held = _kill_ahead_of_gcs(job, _start_two(job, dirs, slices=2), dirs)
         assert uninterrupted.wait(180) == [0, 0]
         shutil.rmtree(dirs[1])  # a new, empty memory volume
+        newest = held[0][-1]
+        if sender == "damaged":
+            _damaged(dirs[0], newest)
         resumed = _start_two(job, dirs, slices=2)
         assert resumed.wait(180) == [0, 0], resumed.output(0) + resumed.output(1)
-        newest = held[0][-1]
-        assert _restored(job) == ("peer", newest) and newest > gcs_step, resumed.output(0) + resumed.output(1)
-        assert newest not in job.committed_steps()
-        assert f"resume: restoring step {newest} from the local tiers of slice 0 (sending)" in resumed.output(0)
-        assert f"resume: restoring step {newest} from the local tiers of slice 0 (receiving)" in resumed.output(1)
+        outputs = [resumed.output(0), resumed.output(1)]
+        assert newest > gcs_step and newest not in job.committed_steps()
+        for index, role in enumerate(("sending", "receiving")):
+            assert f"resume: restoring step {newest} from the local tiers of slice 0 ({role})" in outputs[index]
+        if sender == "intact":
+            assert _restored(job) == ("peer", newest), outputs
+        else:
+            assert _restored(job) == ("gcs", gcs_step), outputs
+            assert all(f"local step {newest} not restored on every process" in out for out in outputs), outputs
         assert job.digest(M) == reference.digest(M)
     finally:
         reference.kill_all()
