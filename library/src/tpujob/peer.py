@@ -69,13 +69,13 @@ def local_plans(per_process: Sequence[Sequence[int]], slices: Sequence[int], flo
     return plans
 
 
-def _mesh_axes(spec: Any) -> set[str]:
+def _replicated_axes(sharding: NamedSharding) -> list[str]:
+    """The mesh axes a leaf is not sharded over: the devices along them hold the same shard."""
     used: set[str] = set()
-    for entry in spec:
-        if entry is None:
-            continue
-        used.update(entry if isinstance(entry, tuple) else (entry,))
-    return used
+    for entry in sharding.spec:
+        if entry is not None:
+            used.update(entry if isinstance(entry, tuple) else (entry,))
+    return [name for name in sharding.mesh.axis_names if name not in used]
 
 
 def source_table(sharding: Any, sources: frozenset[int]) -> np.ndarray | None:
@@ -83,10 +83,9 @@ def source_table(sharding: Any, sources: frozenset[int]) -> np.ndarray | None:
     among the devices of processes in `sources`; None without a NamedSharding."""
     if not isinstance(sharding, NamedSharding):
         return None
-    mesh = sharding.mesh
-    holds = np.vectorize(lambda d: d.process_index in sources, otypes=[bool])(mesh.devices)
-    used = _mesh_axes(sharding.spec)
-    return first_sources(holds, [i for i, name in enumerate(mesh.axis_names) if name not in used])
+    names = list(sharding.mesh.axis_names)
+    holds = np.vectorize(lambda d: d.process_index in sources, otypes=[bool])(sharding.mesh.devices)
+    return first_sources(holds, [names.index(name) for name in _replicated_axes(sharding)])
 
 
 def first_sources(holds: np.ndarray, replicated: Sequence[int]) -> np.ndarray | None:
@@ -139,25 +138,25 @@ def _shard_shape(shape: tuple[int, ...], index: tuple[slice, ...]) -> tuple[int,
     return tuple(len(range(*s.indices(n))) for s, n in zip(index, shape, strict=True))
 
 
+_SAME_WIDTH_INT = {1: jnp.int8, 2: jnp.int16, 4: jnp.int32}  # a carried dtype's bits, by its width in bytes
+
+
 def _as_bits(x: jax.Array) -> jax.Array:
     """The leaf's bits as int32 (sign-extended for narrower types): a sum with zeros keeps them."""
-    width = jnp.dtype(x.dtype).itemsize
     if x.dtype == jnp.bool_:
         return x.astype(jnp.int32)
-    integer = {1: jnp.int8, 2: jnp.int16, 4: jnp.int32}[width]
-    return jax.lax.bitcast_convert_type(x, integer).astype(jnp.int32)
+    return jax.lax.bitcast_convert_type(x, _SAME_WIDTH_INT[jnp.dtype(x.dtype).itemsize]).astype(jnp.int32)
 
 
 def _from_bits(bits: jax.Array, dtype: Any) -> jax.Array:
     if dtype == jnp.bool_:
         return bits.astype(jnp.bool_)
-    integer = {1: jnp.int8, 2: jnp.int16, 4: jnp.int32}[jnp.dtype(dtype).itemsize]
-    return jax.lax.bitcast_convert_type(bits.astype(integer), dtype)
+    return jax.lax.bitcast_convert_type(bits.astype(_SAME_WIDTH_INT[jnp.dtype(dtype).itemsize]), dtype)
 
 
 def _copy_leaf(x: jax.Array, source: _Source) -> jax.Array:
     mesh, spec = source.sharding.mesh, source.sharding.spec
-    replicated = tuple(name for name in mesh.axis_names if name not in _mesh_axes(spec))
+    replicated = tuple(_replicated_axes(source.sharding))
     if not replicated:
         return x  # each shard is held once: every device was its own source (the table said so)
     table = jnp.asarray(source.table)
