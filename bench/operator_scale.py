@@ -88,6 +88,7 @@ from tpujob_devcluster.cluster import BUCKET, DevCluster
 from tpujob_devcluster.controlplane import REPO_ROOT
 from tpujob_devcluster.harness import (
     OPERATOR_NAMESPACE,
+    cpu_seconds,
     ensure_namespace,
     git,
     helm_install_operator,
@@ -114,7 +115,6 @@ AUDIT_POLICY: dict[str, Any] = {
         {"level": "None"},
     ],
 }
-CLK_TCK = os.sysconf("SC_CLK_TCK")
 BLACKHOLE_HOLD = 120.0  # a blackholed request is held this long at most (the client gives up sooner)
 
 
@@ -225,14 +225,6 @@ class _ProxyHandler(BaseHTTPRequestHandler):
 
 
 # --- the operator's process and the other components, from /proc -----------------------------------
-
-
-def _cpu_seconds(pid: int) -> float:
-    try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    except OSError:
-        return 0.0
-    return (int(fields[11]) + int(fields[12])) / CLK_TCK  # utime, stime
 
 
 def _rss_mb(pid: int) -> float:
@@ -633,8 +625,8 @@ class Bench:
         audit = self.cluster.plane.audit_log
         offset = audit_size(audit)
         log(f"size {size}: idle window of {seconds} s")
-        gcs0, cpu0 = self.proxy.snapshot(), sum(_cpu_seconds(p) for p in pids)
-        other0 = {name: _cpu_seconds(pid) for name, pid in components.items()}
+        gcs0, cpu0 = self.proxy.snapshot(), sum(cpu_seconds(p) for p in pids)
+        other0 = {name: cpu_seconds(pid) for name, pid in components.items()}
         bench0 = time.process_time()
         start, t0 = time.time(), time.monotonic()
         rss: list[float] = []
@@ -642,7 +634,7 @@ class Bench:
             rss.append(sum(_rss_mb(p) for p in pids))
             time.sleep(min(5.0, max(0.0, seconds - (time.monotonic() - t0))))
         elapsed, end = time.monotonic() - t0, time.time()
-        cpu1, gcs1 = sum(_cpu_seconds(p) for p in pids), self.proxy.snapshot()
+        cpu1, gcs1 = sum(cpu_seconds(p) for p in pids), self.proxy.snapshot()
         rss.append(sum(_rss_mb(p) for p in pids))
         minutes = elapsed / 60
         time.sleep(2.0)  # the audit log is written as requests complete
@@ -679,7 +671,7 @@ class Bench:
                 "operations_per_job_hour": round(sum(gcs.values()) / job_hours, 1) if job_hours else None,
             },
             "other_cpu_seconds_per_minute": {
-                **{n: round((_cpu_seconds(p) - other0[n]) / minutes, 2) for n, p in components.items()},
+                **{n: round((cpu_seconds(p) - other0[n]) / minutes, 2) for n, p in components.items()},
                 "bench (this process)": round((time.process_time() - bench0) / minutes, 2),
             },
         }
@@ -729,14 +721,14 @@ class Bench:
         log(f"size {size}: the operator's GCS blackholed; {self.args.blackhole_settle:.0f} s before the kills")
         gcs0 = self.proxy.snapshot()
         pids = self.operator_pids()
-        cpu0, t0 = sum(_cpu_seconds(p) for p in pids), time.monotonic()
+        cpu0, t0 = sum(cpu_seconds(p) for p in pids), time.monotonic()
         self.proxy.blackhole_on()
         try:
             time.sleep(self.args.blackhole_settle)
             reaction = self.reactions(self.args.blackhole_kills)
         finally:
             self.proxy.blackhole_off()
-        cpu = (sum(_cpu_seconds(p) for p in pids) - cpu0) / ((time.monotonic() - t0) / 60)
+        cpu = (sum(cpu_seconds(p) for p in pids) - cpu0) / ((time.monotonic() - t0) / 60)
         held = {k: n for k, n in (self.proxy.snapshot() - gcs0).items() if k.endswith("(blackholed)")}
         return {
             **reaction,

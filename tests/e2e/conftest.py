@@ -8,7 +8,6 @@ processes), kwok replaces node VMs, TPU chips are CPU devices, fake-gcs-server r
 from __future__ import annotations
 
 import json
-import os
 import signal
 import threading
 import time
@@ -25,7 +24,7 @@ from google.cloud import storage
 from kubernetes import client, config
 from tpujob_contract import JOBSET_GROUP, JOBSET_VERSION, ProgressRecord
 from tpujob_devcluster.cluster import BUCKET, DevCluster
-from tpujob_devcluster.harness import helm_install_operator, pod_pids, signal_pod
+from tpujob_devcluster.harness import cpu_seconds, helm_install_operator, pod_pids, signal_pod
 from tpujob_devcluster.kueue import HIGH_PRIORITY, LOW_PRIORITY
 from tpujob_operator import api, checkpoints
 
@@ -129,19 +128,14 @@ class E2E:
     def cpu_seconds(self, name: str) -> float:
         """CPU time the job's pods have burnt so far (the pod runner's process groups): a trainer that
         compiles or restores in silence still burns it, one that waits on a dead peer does not."""
-        ticks = 0
+        total = 0.0
         for directory in self.pod_dirs(name):
             try:
                 pids = pod_pids(self.cluster.state_dir, self.namespace, directory.name)
             except (OSError, ValueError):
                 continue  # a pod not started, or gone
-            for pid in pids:
-                try:
-                    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-                except OSError:
-                    continue
-                ticks += int(fields[11]) + int(fields[12])  # utime, stime
-        return ticks / os.sysconf("SC_CLK_TCK")
+            total += sum(cpu_seconds(pid) for pid in pids)
+        return total
 
     def wait_working(
         self, name: str, predicate: Callable[[dict[str, Any]], bool], what: str, quiet: float = 180, busy: float = 10

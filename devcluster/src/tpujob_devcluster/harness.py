@@ -103,6 +103,15 @@ def pod_pids(state_dir: Path, namespace: str, pod_name: str) -> list[int]:
     return [pid for pid in _all_pids() if _pgid(pid) == leader]
 
 
+def cpu_seconds(pid: int) -> float:
+    """CPU time a process has used (utime + stime from /proc); 0 once it is gone."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def signal_pod(state_dir: Path, namespace: str, pod_name: str, sig: signal.Signals) -> None:
     for pid in pod_pids(state_dir, namespace, pod_name):
         os.kill(pid, sig)
