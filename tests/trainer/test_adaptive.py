@@ -17,7 +17,13 @@ from tpujob_devcluster.fakegcs import FakeGcsServer
 from tests.trainer.procs import Job
 
 # tiny model, ~12 ms steps on 2 cores: a save (~0.1-0.2 s of cost) is large against a step.
-WORKLOAD = ["--model", "tiny", "--steps", "1200", "--batch-size", "8", "--seq-len", "64", "--log-every", "200"]
+STEPS = 1200
+
+
+def _workload(steps: int) -> list[str]:
+    return ["--model", "tiny", "--steps", str(steps), "--batch-size", "8", "--seq-len", "64", "--log-every", "200"]
+
+
 BUDGET_PERCENT = 10.0
 
 
@@ -32,17 +38,17 @@ def _env(env: dict[str, str]) -> dict[str, str]:
 
 
 def _adaptive(job: Job, env: dict[str, str]) -> dict[str, object]:
-    attempt = job.start(WORKLOAD, _env(env))
+    attempt = job.start(_workload(STEPS), _env(env))
     assert attempt.wait(240) == [0], attempt.output()
     record = job.progress()
-    assert record["state"] == "succeeded" and record["step"] == 1200
+    assert record["state"] == "succeeded" and record["step"] == STEPS
     return record
 
 
 def _adaptive_until_saved(job: Job, env: dict[str, str], commits: int) -> dict[str, object]:
     """An adaptive run with no end of its own, stopped by SIGTERM once `commits` steps are committed:
     how many saves fit in a fixed number of steps is the machine's speed, not the policy's."""
-    attempt = job.start(["--steps", "100000000", *WORKLOAD[2:]], _env(env))
+    attempt = job.start(_workload(100_000_000), _env(env))
     attempt.wait_until(lambda: len(job.committed_steps()) >= commits, quiet=120, poll=0.5)
     attempt.signal(signal.SIGTERM)
     assert attempt.wait(quiet=120) == [143], attempt.output()[-4000:]
