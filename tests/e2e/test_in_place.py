@@ -5,10 +5,9 @@ from __future__ import annotations
 
 import os
 import signal
-import time
 from typing import Any
 
-from kubernetes import client
+from kubernetes import client, watch
 from tpujob_devcluster.cluster import BUCKET
 from tpujob_devcluster.harness import live_pod_uids, lose_node, trainer_pid
 
@@ -69,6 +68,18 @@ def test_a_crashed_trainer_restarts_in_place_from_the_local_tier(e2e):
     e2e.wait_events("inplace", {"RestartingInPlace"})
 
 
+def _watch_pod_until(e2e, name: str, since: str, done: Any, quiet: float = 60) -> Any:
+    """The first state of pod `name` after resourceVersion `since` that is `done` (the watch ends after `quiet` s)."""
+    stream = watch.Watch().stream(
+        e2e.core.list_namespaced_pod, e2e.namespace, field_selector=f"metadata.name={name}",
+        resource_version=since, timeout_seconds=int(quiet),
+    )  # fmt: skip
+    for event in stream:
+        if done(event["object"]):
+            return event["object"]
+    raise AssertionError(f"pod {name}: no state that ends the wait, and nothing for {quiet} s")
+
+
 def test_a_lost_node_replaces_only_its_pod_restores_it_from_the_other_slice_and_the_rest_restart_in_place(e2e):
     _apply_in_place(e2e, "inplacenode", GCS_INTERVAL)
     _wait_local_ahead_of_gcs(e2e, "inplacenode")
@@ -76,27 +87,33 @@ def test_a_lost_node_replaces_only_its_pod_restores_it_from_the_other_slice_and_
     assert len(before) == 2, before
     lost = e2e.running_pod("inplacenode-a0-slice-1-0")
     [kept] = [name for name in before if name != lost]
+    lost_pod = e2e.core.read_namespaced_pod(lost, e2e.namespace)
+    lost_job = lost_pod.metadata.labels
     node = lose_node(e2e.core, e2e.namespace, lost)
     try:
-        # The operator marks the pod Failed (NodeGone) as soon as its node is gone; the pod garbage
-        # collector would mark it DeletionByPodGC, only after its 40 s orphan quarantine.
-        deadline = time.monotonic() + 30
-        while (pod := e2e.core.read_namespaced_pod(lost, e2e.namespace)).status.phase != "Failed":
-            assert time.monotonic() < deadline, f"{lost} on the deleted node {node.name} is still {pod.status.phase}"
-            time.sleep(0.5)
-        assert [c.reason for c in pod.status.conditions if c.type == "DisruptionTarget"] == ["NodeGone"]
+        # The operator marks the pod Failed (NodeGone) as soon as its node is gone (the pod garbage
+        # collector would mark it DeletionByPodGC, only after its 40 s orphan quarantine), then removes
+        # it once the failure is recorded: the pod's watch shows every state it went through.
+        failed = _watch_pod_until(e2e, lost, lost_pod.metadata.resource_version, lambda p: p.status.phase == "Failed")
+        assert [c.reason for c in failed.status.conditions if c.type == "DisruptionTarget"] == ["NodeGone"]
         status = e2e.wait("inplacenode", lambda s: s.get("phase") == "Succeeded", 360, "Succeeded")
         failure = status["lastFailure"]
         assert (failure["rung"], failure["kind"], failure["counted"]) == ("InPlace", "NodeLost", False), failure
         assert (status["restarts"], status["inPlaceRestarts"], status["attempt"]) == (1, 1, 0), status
         assert [js["metadata"]["name"] for js in e2e.jobsets()] == ["inplacenode-a0"]
         after = live_pod_uids(e2e.core, e2e.namespace, "inplacenode-a0")
-        # The lost node's pod alone was replaced (by its Job, on another node); the other is the same pod,
-        # its containers restarted in place.
+        # The lost node's pod alone was replaced, on another node; the other is the same pod, its
+        # containers restarted in place.
         assert after[kept] == before[kept], (before, after)
         assert lost not in after and len(after) == 2, (before, after)
         [replacement] = [e2e.core.read_namespaced_pod(n, e2e.namespace) for n in after if n != kept]
         assert replacement.spec.node_name != node.name
+        # ... by its slice's Job recreated (the operator deleted the Job whose only pod was lost, JobSet made it
+        # again): a new Job has none of the old one's pod failure back-off (10 s, doubled at each loss).
+        job_name, job_uid = "batch.kubernetes.io/job-name", "batch.kubernetes.io/controller-uid"
+        assert replacement.metadata.labels[job_name] == lost_job[job_name] == "inplacenode-a0-slice-1"
+        recreated = client.BatchV1Api(e2e.core.api_client).read_namespaced_job(lost_job[job_name], e2e.namespace)
+        assert recreated.metadata.uid == replacement.metadata.labels[job_uid] != lost_job[job_uid]
         survivor = e2e.core.read_namespaced_pod(kept, e2e.namespace)
         assert survivor.status.container_statuses[0].restart_count >= 1, survivor.status.container_statuses
         # The replacement's memory volume is new: the survivor's slice sent it the newest local step, a

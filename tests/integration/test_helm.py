@@ -54,6 +54,7 @@ NAMESPACED_RESOURCES = {
     "jobsets",
     "pods",
     "pods/status",
+    "jobs",
     "events",
     "rolebindings",
     "clusterroles",
@@ -76,6 +77,8 @@ def test_cluster_role_is_least_privilege():
     assert pod_rule["verbs"] == ["list", "watch", "delete", "deletecollection"]
     pod_status_rule = next(rule for rule in role["rules"] if rule["resources"] == ["pods/status"])
     assert pod_status_rule["verbs"] == ["patch"]  # a worker on a gone node marked Failed, nothing else
+    job_rule = next(rule for rule in role["rules"] if rule["resources"] == ["jobs"])
+    assert job_rule["verbs"] == ["delete"]  # a lost slice's Job, for JobSet to recreate; never created or read
     node_rule = next(rule for rule in role["rules"] if rule["resources"] == ["nodes"])
     assert node_rule["verbs"] == ["get", "list", "watch"]  # read only: whose failure it was
     # RoleBindings it creates, and only to the in-place restart agent's role: no other role can be granted.

@@ -39,12 +39,16 @@ from tpujob_operator.jobset import (
     IN_PLACE_RESTART_ATTEMPT_ANNOTATION,
     IN_PLACE_RESTART_EXIT_CODE,
     IN_PLACE_STRATEGY,
+    JOB_NAME_LABEL,
+    JOB_UID_LABEL,
     TERMINATION_GRACE_SECONDS,
+    slice_job_name,
 )
 from tpujob_operator.restarts import NOT_RESTARTED_EXIT_CODES
 
 T0 = datetime(2026, 1, 1, tzinfo=UTC)
 ACCELERATOR, TOPOLOGY = "tpu-v5-lite-podslice", "2x2"  # one host a slice
+JOB_POD_FAILURE_BACKOFF_SECONDS, JOB_POD_FAILURE_BACKOFF_MAX_SECONDS = 10, 600  # the Job controller's
 
 Cause = Literal["job", "infrastructure"]
 # What a fault does to the trainer: ends one of its processes, stops its progress (a hang), or neither
@@ -104,6 +108,11 @@ class Pod:
     last_finished_at: int | None = None
     in_place_attempt: int | None = None  # its annotation (it outlives the container that set it)
     agent_joined: bool = False  # the agent of its current container has annotated the round it joins
+    job_uid: str = ""  # the uid of the slice Job that made it
+
+    @property
+    def job(self) -> str:
+        return slice_job_name(self.jobset, self.slice)
 
     def ended(self) -> bool:
         return self.phase in ("Succeeded", "Failed")
@@ -154,7 +163,13 @@ class Pod:
             "name": self.name,
             "namespace": "ml",
             "creationTimestamp": stamp(self.created),
-            "labels": {LABEL_ATTEMPT: str(self.attempt), LABEL_UID: self.uid, JOB_INDEX_ANNOTATION: str(self.slice)},
+            "labels": {
+                LABEL_ATTEMPT: str(self.attempt),
+                LABEL_UID: self.uid,
+                JOB_INDEX_ANNOTATION: str(self.slice),
+                JOB_NAME_LABEL: self.job,
+                JOB_UID_LABEL: self.job_uid,
+            },
             "annotations": {JOB_INDEX_ANNOTATION: str(self.slice)},
         }
         if self.in_place_attempt is not None:
@@ -177,11 +192,16 @@ class JobSet:
     evicted: str | None = None  # why Kueue evicted its Workload
     held_until: int = 0  # Kueue admits it no sooner (the workload that preempted it holds the quota)
     current_round: int | None = None  # status.currentInPlaceRestartAttempt: the round all agents reached
+    job_generations: dict[int, int] = field(default_factory=dict)  # slice -> how often its Job was recreated
     previous_round: int | None = None  # status.previousInPlaceRestartAttempt: agents below it restart
 
     @property
     def name(self) -> str:
         return str(self.manifest["metadata"]["name"])
+
+    def job_uid(self, index: int) -> str:
+        """The uid of slice `index`'s Job as it is now (JobSet recreates a deleted one: a new uid)."""
+        return f"{self.uid}-{self.attempt}-{index}-{self.job_generations.get(index, 0)}"
 
     @property
     def suspended(self) -> bool:
@@ -441,6 +461,18 @@ class World:
         if pod is None or pod.gone or (node in self.nodes and self.nodes[node].exists):
             return
         self._end(pod, "Failed", None, "NodeLost", disruption="NodeGone")
+
+    def delete_slice_job(self, name: str, uid: str) -> None:
+        """Delete a slice's Job if it is that uid (propagation Background: the garbage collector deletes its
+        pods with their own grace); JobSet recreates it under its name (a new uid) at its next reconcile."""
+        for js in self.jobsets.values():
+            for index in range(js.slices):
+                if slice_job_name(js.name, index) == name and js.job_uid(index) == uid:
+                    js.job_generations[index] = js.job_generations.get(index, 0) + 1
+                    for pod in self._pods_of(js):
+                        if pod.job_uid == uid:
+                            self._delete_pod(pod, TERMINATION_GRACE_SECONDS)
+                    self.changed = True
 
     def delete_ended_pod(self, name: str) -> None:
         pod = self.pods.get(name)
@@ -724,6 +756,7 @@ class World:
         """The Job controller's pod for slice `index` of the JobSet's current run."""
         self._serial += 1
         pod = Pod(f"{js.name}-slice-{index}-0-{self._serial}", js.name, js.attempt, js.uid, index, js.run, self.now)
+        pod.job_uid = js.job_uid(index)
         self.pods[pod.name] = pod
         self.changed = True
         return pod
@@ -741,8 +774,10 @@ class World:
             js.state, js.ended_at = "Completed", self.now
             self.changed = True
             return
-        for index in range(js.slices):
-            if index not in done and not any(p.slice == index and not p.ended() for p in pods):
+        for index in range(js.slices):  # each slice's Job replaces its own pods only, after its back-off
+            job_uid = js.job_uid(index)
+            running = any(p.job_uid == job_uid and not p.ended() for p in pods)
+            if index not in done and not running and self.now >= self._job_backoff_ends(job_uid):
                 self._create_pod(js, index)
         live = [p for p in self._pods_of(js) if p.phase != "Failed"]
         rounds = [p.in_place_attempt for p in live if p.in_place_attempt is not None]
@@ -777,6 +812,16 @@ class World:
         elif rounds and max(rounds) > 0 and js.previous_round != max(rounds) - 1:
             js.previous_round = max(rounds) - 1
             self.changed = True
+
+    def _job_backoff_ends(self, job_uid: str) -> int:
+        """When the Job controller creates a Job's next pod (pkg/controller/job/backoff_utils.go): 10 s after
+        its last failed pod ended, doubled at each failure of that Job, at most 600 s. The record is the
+        Job's (kept in the controller's memory, dropped with the Job)."""
+        failed = [p for p in self.pods.values() if p.job_uid == job_uid and p.phase == "Failed"]
+        if not failed:
+            return 0
+        last = max(p.finished_at or p.created for p in failed)
+        return last + min(JOB_POD_FAILURE_BACKOFF_SECONDS * 2 ** (len(failed) - 1), JOB_POD_FAILURE_BACKOFF_MAX_SECONDS)
 
     def _container_restarts(self, pod: Pod, code: int) -> None:
         """The kubelet restarts the worker container on its node (its restart rules); the agent that starts

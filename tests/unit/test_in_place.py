@@ -6,7 +6,12 @@ from datetime import UTC, datetime, timedelta
 
 from tpujob_operator.facts import JobSetFacts, NodeFacts, Observed, PodFacts
 from tpujob_operator.jobset import IN_PLACE_RESTART_EXIT_CODE, jobset_facts
-from tpujob_operator.nodes import NODE_GONE_DISRUPTION, awaited_nodes, recorded_pods_on_gone_nodes
+from tpujob_operator.nodes import (
+    NODE_GONE_DISRUPTION,
+    awaited_nodes,
+    recorded_pods_on_gone_nodes,
+    slices_lost_whole,
+)
 from tpujob_operator.reconcile import reconcile
 from tpujob_operator.status import rfc3339, rfc3339_precise
 
@@ -102,6 +107,43 @@ def test_a_pod_marked_failed_on_a_gone_node_is_removed_once_its_round_is_recorde
     assert recorded_pods_on_gone_nodes([dataclasses.replace(marked, node="host-1")], nodes, T0) == []
     assert recorded_pods_on_gone_nodes([dataclasses.replace(marked, phase="Running")], nodes, T0) == []
     assert recorded_pods_on_gone_nodes([marked], None, T0) == []  # no node watch: nothing is known gone
+
+
+def test_a_slice_whose_pods_all_went_with_their_nodes_has_its_job_recreated_and_only_that_job():
+    """Once the lost pods are recorded and removed, their slice's Job is deleted (that uid only) for JobSet
+    to recreate: the Job controller would create the replacement only after its back-off (10 s, doubled
+    at each loss), which goes with the Job. A Job that still has a pod of its own is kept."""
+
+    def pod(name, slice_, job_uid, **facts):
+        return PodFacts(name, slice_, job=f"llama-a0-slice-{slice_}", job_uid=job_uid, **facts)
+
+    lost = [pod(f"llama-a0-slice-0-{h}", 0, "uid-0", phase="Failed", disruption_reason=NODE_GONE_DISRUPTION,
+                disruption_since=T0, node=f"gone-{h}") for h in (0, 1)]  # fmt: skip
+    alive = [pod(f"llama-a0-slice-1-{h}", 1, "uid-1", phase="Running", node=f"host-{h}") for h in (0, 1)]
+    nodes = {"host-0": NodeFacts("host-0", ready="True"), "host-1": NodeFacts("host-1", ready="True")}
+    jobset = dataclasses.replace(_jobset(pods=(*lost, *alive)), slices=2, expected_pods=4)
+    status, actions = reconcile(_job(), dataclasses.replace(_observed(jobset), nodes=nodes))
+    assert status.last_failure.kind == "NodeLost"
+    assert actions.remove_from_gone_nodes == ["llama-a0-slice-0-0", "llama-a0-slice-0-1"]
+    assert actions.recreate_lost_slices == [("llama-a0-slice-0", "uid-0")]
+    # One host of the two lost: the other still runs in that Job, which stays (its pod is replaced).
+    half = dataclasses.replace(
+        jobset, pods=(lost[0], dataclasses.replace(lost[1], phase="Running", node="host-1"), *alive)
+    )
+    _, actions = reconcile(_job(), dataclasses.replace(_observed(half), nodes=nodes))
+    assert actions.remove_from_gone_nodes == ["llama-a0-slice-0-0"] and actions.recreate_lost_slices == []
+    # The watch has not delivered the Job's other pod: kept. The Job's replacement pod exists: kept.
+    assert slices_lost_whole([lost[0]], ["llama-a0-slice-0-0"], hosts=2) == []
+    replacement = pod("llama-a0-slice-0-0-new", 0, "uid-0", phase="Pending")
+    assert slices_lost_whole([*lost, replacement], [p.name for p in lost], hosts=2) == []
+    # A Job recreated under the same name is another uid: the old one's pods never name it.
+    recreated = [dataclasses.replace(p, name=f"{p.name}-b", job_uid="uid-0b", phase="Pending", node=None) for p in lost]
+    assert slices_lost_whole([*lost, *recreated], [p.name for p in lost], hosts=2) == [("llama-a0-slice-0", "uid-0")]
+    # Recreate rung: the whole JobSet goes anyway; JobSet must not bring a deleted Job back beside it.
+    _, actions = reconcile(
+        _job(), dataclasses.replace(_observed(dataclasses.replace(jobset, in_place=False)), nodes=nodes)
+    )
+    assert actions.recreate_lost_slices == []
 
 
 def test_the_round_after_the_rung_is_spent_climbs_to_recreate():

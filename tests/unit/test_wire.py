@@ -228,7 +228,12 @@ def _pod(
         "name": "llama-a0-slice-1-0-x7k2p",
         "namespace": "ml",
         "creationTimestamp": _at(0),
-        "labels": {"tpujob.dev/name": "llama", "jobset.sigs.k8s.io/jobset-name": "llama-a0"},
+        "labels": {
+            "tpujob.dev/name": "llama",
+            "jobset.sigs.k8s.io/jobset-name": "llama-a0",
+            "batch.kubernetes.io/job-name": "llama-a0-slice-1",  # the Job controller's labels
+            "batch.kubernetes.io/controller-uid": "8f1c2d3e-job",
+        },
         "annotations": {},
     }
     if index is not None:
@@ -272,6 +277,8 @@ def test_a_killed_trainer():
         reason="OOMKilled",
         finished_at=T0 + timedelta(seconds=50),
         created=T0,
+        job="llama-a0-slice-1",
+        job_uid="8f1c2d3e-job",
     )
 
 
@@ -335,7 +342,14 @@ def test_a_trainer_waiting_for_its_image():
 def test_a_pod_without_status_is_pending():
     pod = _pod(phase=None)
     del pod["status"]
-    assert pod_facts(pod) == PodFacts(name="llama-a0-slice-1-0-x7k2p", slice=1, phase="Pending", created=T0)
+    assert pod_facts(pod) == PodFacts(
+        name="llama-a0-slice-1-0-x7k2p",
+        slice=1,
+        phase="Pending",
+        created=T0,
+        job="llama-a0-slice-1",
+        job_uid="8f1c2d3e-job",
+    )
 
 
 def test_jobset_facts_decodes_the_pods_given_in_order():

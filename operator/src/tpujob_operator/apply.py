@@ -153,6 +153,9 @@ class Applier:
         for pod in actions.remove_from_gone_nodes:
             log.info("%s/%s: removing pod %s, failed on a node that is gone (its failure is recorded)", *key, pod)
             kube.delete_pod(key[0], pod)
+        for job_name, job_uid in actions.recreate_lost_slices:
+            log.info("%s/%s: deleting Job %s, all its pods lost with their nodes: JobSet recreates it", *key, job_name)
+            kube.delete_job(key[0], job_name, job_uid)
 
     def create(
         self,

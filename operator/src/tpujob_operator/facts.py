@@ -76,6 +76,8 @@ class PodFacts:
     last_termination_message: str | None = None
     in_place_attempt: int | None = None  # JobSet's agent's annotation: the in-place restart round it is at
     deleting: bool = False  # its deletion was asked (metadata.deletionTimestamp)
+    job: str | None = None  # the Job that made it (its slice's), by the Job controller's labels ...
+    job_uid: str | None = None  # ... and that Job's uid: a Job recreated under the same name has another
 
 
 @dataclass(frozen=True)
@@ -166,8 +168,8 @@ class Event:
 @dataclass
 class Actions:
     """Side effects the runtime performs, in this order: status, delete, stop, pods on gone nodes failed
-    or removed, create, events, suspend (the failed attempt's JobSet is gone before its replacement exists: never
-    two live attempts)."""
+    or removed (then their slices' Jobs), create, events, suspend (the failed attempt's JobSet is gone
+    before its replacement exists: never two live attempts)."""
 
     create_attempt: int | None = None
     create_slices: int | None = None  # the attempt's slice count (None: spec.tpu.slices)
@@ -182,6 +184,9 @@ class Actions:
     # Failed worker pods on a gone node whose failure status records: deleted (what the pod GC does after
     # its quarantine), since JobSet's in-place restart waits for every pod of the JobSet to restart
     remove_from_gone_nodes: list[str] = field(default_factory=list)
+    # (Job, uid): an in-place attempt's slice Jobs whose every pod is such a pod, deleted (only that uid)
+    # for JobSet to recreate: a new Job's pods start at once, where the old one's wait out its back-off
+    recreate_lost_slices: list[tuple[str, str]] = field(default_factory=list)
     events: list[Event] = field(default_factory=list)
     requeue_after: float | None = None
     # Decide again on a fresh read of storage, though nothing else changes (a completion to confirm).

@@ -41,6 +41,9 @@ from .status import parse_time
 from .tpu import slice_shape
 
 REPLICATED_JOB = "slice"
+# What the Job controller labels its pods with: their Job's name and uid.
+JOB_NAME_LABEL = "batch.kubernetes.io/job-name"
+JOB_UID_LABEL = "batch.kubernetes.io/controller-uid"
 CONTAINER = "trainer"
 COORDINATOR_PORT = 8476
 
@@ -85,8 +88,13 @@ def jobset_name(name: str, attempt: int) -> str:
     return f"{name}-a{attempt}"
 
 
+def slice_job_name(js_name: str, index: int) -> str:
+    """The name JobSet gives slice `index`'s Job (its placement.GenJobName)."""
+    return f"{js_name}-{REPLICATED_JOB}-{index}"
+
+
 def coordinator_host(js_name: str) -> str:
-    return f"{js_name}-{REPLICATED_JOB}-0-0.{js_name}"
+    return f"{slice_job_name(js_name, 0)}-0.{js_name}"
 
 
 def _env(name: str, value: str | int | float | bool) -> dict[str, str]:
@@ -452,6 +460,8 @@ def pod_facts(pod: dict[str, Any]) -> PodFacts:
         last_termination_message=last.get("message"),
         in_place_attempt=int(attempt_text) if attempt_text.isdigit() else None,
         deleting=bool(meta.get("deletionTimestamp")),
+        job=labels.get(JOB_NAME_LABEL),
+        job_uid=labels.get(JOB_UID_LABEL),
     )
 
 

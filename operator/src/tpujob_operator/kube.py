@@ -211,6 +211,21 @@ class Cluster:
             if error.status != 404:
                 raise
 
+    def delete_job(self, namespace: str, name: str, uid: str) -> None:
+        """Delete a Job if it is still the one of that uid (a Job recreated under its name is left alone);
+        its pods are the garbage collector's (propagation Background)."""
+        body = {
+            "kind": "DeleteOptions",
+            "apiVersion": "v1",
+            "preconditions": {"uid": uid},
+            "propagationPolicy": "Background",
+        }
+        try:
+            self._call("DELETE", f"/apis/batch/v1/namespaces/{namespace}/jobs/{name}", None, body)
+        except ApiException as error:
+            if error.status not in (404, 409):
+                raise
+
     def replace_status(self, body: dict[str, Any], status: dict[str, Any]) -> dict[str, Any]:
         """Write the whole status (no stale nested fields survive) on the object as it was read: its
         resourceVersion makes the apiserver refuse the write if anyone changed it since (Conflict)."""

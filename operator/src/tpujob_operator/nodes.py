@@ -226,6 +226,21 @@ def recorded_pods_on_gone_nodes(
     ]
 
 
+def slices_lost_whole(pods: Iterable[PodFacts], removed: Iterable[str], hosts: int) -> list[tuple[str, str]]:
+    """(Job, uid) of every slice Job whose `hosts` pods are all `removed` (failed on gone nodes, their
+    failure recorded): nothing of that Job runs any more. Deleted, JobSet recreates it and its new pods
+    start at once; kept, the Job controller creates their replacements only after its back-off (10 s,
+    doubled at each failure of that Job, measured from the pod's end), and the back-off goes with the
+    Job. A Job with a pod that is not removed (still running, or the replacement it already made),
+    or with pods the watch has not delivered, is kept."""
+    gone = set(removed)
+    by_job: dict[tuple[str, str], list[str]] = {}
+    for p in pods:
+        if p.job is not None and p.job_uid is not None:
+            by_job.setdefault((p.job, p.job_uid), []).append(p.name)
+    return sorted(job for job, names in by_job.items() if len(names) == hosts and gone.issuperset(names))
+
+
 def awaited_nodes(pods: Iterable[PodFacts], round_unrecorded: bool = False) -> set[str]:
     """The nodes whose word a failure may wait for: those under pods still running beside a failed one,
     or under every pod of an in-place restart round not yet recorded (its failed worker runs again)."""

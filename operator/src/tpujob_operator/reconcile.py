@@ -46,7 +46,7 @@ from .facts import (
     still_writing,
 )
 from .jobset import jobset_name
-from .nodes import pods_on_gone_nodes, recorded_pods_on_gone_nodes
+from .nodes import pods_on_gone_nodes, recorded_pods_on_gone_nodes, slices_lost_whole
 from .restarts import (
     MAX_UNCOUNTED_RESTARTS_WITHOUT_PROGRESS,
     POD_NEWS_RECHECK_SECONDS,
@@ -113,6 +113,14 @@ def reconcile(tj: TrainingJob, observed: Observed) -> tuple[TrainingJobStatus, A
     if (current := _current(status, observed, tj.metadata.get("uid"))) is not None:
         recorded = parse_time(status.last_failure.time) if status.last_failure else None
         actions.remove_from_gone_nodes = recorded_pods_on_gone_nodes(current.pods, observed.nodes, recorded)
+        if current.in_place and current.slices:
+            hosts = current.expected_pods // current.slices
+            actions.recreate_lost_slices = slices_lost_whole(current.pods, actions.remove_from_gone_nodes, hosts)
+            actions.events += [
+                Event("Normal", "SliceJobRecreated", f"Job {job}: every pod of it was lost with its node; deleted "
+                      "for JobSet to recreate, so that its replacements start without the Job's failure back-off")
+                for job, _ in actions.recreate_lost_slices
+            ]  # fmt: skip
     status = _with_queue(status, observed, tj.metadata.get("uid"))
     status = _with_timeline(status, observed, actions, tj.metadata.get("uid"))
     status.goodput = goodput.advance(tj.status, status, observed.progress, observed.now, tj.spec.tpu.slices)
