@@ -54,10 +54,11 @@ default egress quota of 200 Gbps per project and region, over 1,000 hosts restor
 `--failure node` (with `--spare-nodes 1`) deletes the victim's node instead of killing its trainer: the
 pod is gone with it and is replaced on the spare node, the other workers restart in place (InPlace) or
 are recreated (Recreate); the node comes back after each recovery. The stages are the same.
-With `--baseline-rev REV`, each rung runs twice per round, first as `<rung>-base` with REV's trainer
-first on the pods' PYTHONPATH (the operator is this tree's), then with this tree's: the ratios are over
-the first. Per failure, `gcs_bytes_read` counts what the trainers read through the throttle between
-the failure and the first new step (the restore, and a few kB of progress-record reads).
+With `--baseline-rev REV`, each rung runs twice per round, first as `<rung>-base` with REV's operator
+(a release of REV's chart watching its own namespace, REV's sources first on its PYTHONPATH) and REV's
+trainer (first on the pods' PYTHONPATH), then with this tree's: the ratios are over the first. Per
+failure, `gcs_bytes_read` counts what the trainers read through the throttle between the failure and
+the first new step (the restore, and a few kB of progress-record reads).
 """
 
 from __future__ import annotations
@@ -530,7 +531,14 @@ class Rung:
     key: str
     strategy: str  # Recreate | InPlace
     local: bool
-    trainer_path: str | None = None  # an older revision's trainer first on PYTHONPATH (--baseline-rev)
+    # --baseline-rev: that revision's tree, whose operator (a release of its own chart watching `namespace`)
+    # and trainer (first on the pods' PYTHONPATH) run the rung
+    source: Path | None = None
+    namespace: str = NAMESPACE
+
+    @property
+    def pythonpath(self) -> str | None:
+        return ":".join(str(self.source / d) for d in SOURCES if (self.source / d).is_dir()) if self.source else None
 
 
 RUNGS = {
@@ -569,14 +577,14 @@ def _rung_manifest(
         restart["inPlace"] = {"maxRestarts": failures}
     return {
         "apiVersion": "/".join(TRAININGJOBS), "kind": contract.TRAININGJOB_KIND,
-        "metadata": {"name": name, "namespace": NAMESPACE},
+        "metadata": {"name": name, "namespace": rung.namespace},
         "spec": {
             "image": "tpujob-trainer:dev",
             "args": ["--model", model, "--steps", "100000", "--batch-size", "8", "--log-every", "25"],
             "env": [
                 {"name": contract.PROGRESS_INTERVAL_ENV, "value": "0.5"},
                 *({"name": k, "value": v} for k, v in (storage_env or {}).items()),
-                *([{"name": "PYTHONPATH", "value": rung.trainer_path}] if rung.trainer_path else []),
+                *([{"name": "PYTHONPATH", "value": rung.pythonpath}] if rung.pythonpath else []),
             ],
             "tpu": {"accelerator": "tpu-v5-lite-podslice", "topology": "2x2", "slices": 2},
             "checkpoint": checkpoint,
@@ -601,6 +609,7 @@ DEFAULT_GCS_MB_PER_S = 25.0
 class RungBench(Bench):
     storage_env: dict[str, str] | None = None  # the trainers' GCS endpoints, when throttled
     proxy: ThrottledProxy | None = None  # their throttle, which counts the bytes
+    namespace: str = NAMESPACE  # the running rung's
 
     def gcs_bytes_read(self) -> int | None:
         return self.proxy.transferred["down"] if self.proxy else None
@@ -609,14 +618,14 @@ class RungBench(Bench):
         """The job's live pods (any attempt): name -> uid."""
         return {
             str(p.metadata.name): str(p.metadata.uid)
-            for p in self.pods(name, NAMESPACE)
+            for p in self.pods(name, self.namespace)
             if p.status.phase not in ("Failed", "Succeeded") and p.metadata.deletion_timestamp is None
         }
 
     def trainer_pid(self, pod: str) -> int | None:
         """The trainer's python process (under the agent's shell on InPlace): a crash of the training
         process alone, the issue's failure, the same on every rung."""
-        for pid in pod_pids(self.cluster.state_dir, NAMESPACE, pod):
+        for pid in pod_pids(self.cluster.state_dir, self.namespace, pod):
             try:
                 argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
             except OSError:
@@ -630,7 +639,7 @@ class RungBench(Bench):
 
     def victim(self, name: str) -> tuple[str, int] | None:
         """A running worker of the second slice (not process 0, which writes the record) and its trainer."""
-        pods = [p for p in self.pods(name, NAMESPACE) if p.status.phase == "Running"]
+        pods = [p for p in self.pods(name, self.namespace) if p.status.phase == "Running"]
         pods.sort(key=lambda p: "-slice-1-" not in str(p.metadata.name))
         for pod in pods:
             if (pid := self.trainer_pid(str(pod.metadata.name))) is not None:
@@ -653,14 +662,14 @@ class RungBench(Bench):
         """status once its lastFailure is the count-th failure's, with the first new step dated."""
 
         def complete() -> dict[str, Any] | None:
-            status = self.status(name, NAMESPACE)
+            status = self.status(name, self.namespace)
             timeline = (status.get("lastFailure") or {}).get("timeline") or {}
             return status if status.get("restarts", 0) >= count and timeline.get("firstNewStep") else None
 
         try:
             result: dict[str, Any] = self.wait(complete, timeout=30.0, interval=0.5)
         except TimeoutError:
-            result = self.status(name, NAMESPACE)
+            result = self.status(name, self.namespace)
         return result
 
     def inject(
@@ -673,7 +682,7 @@ class RungBench(Bench):
         read_before = self.gcs_bytes_read()
         lost = None
         if mode == "node":
-            lost = lose_node(self.core, NAMESPACE, pod)
+            lost = lose_node(self.core, self.namespace, pod)
         else:
             os.kill(pid, signal.SIGKILL)
         killed, t0 = time.time(), time.monotonic()
@@ -727,10 +736,11 @@ class RungBench(Bench):
     def run_rung(
         self, name: str, rung: Rung, model: str, failures: int, rng: random.Random, failure: str = "crash"
     ) -> dict[str, Any]:
-        run_dir = f"gs://{BUCKET}/bench/{NAMESPACE}/{name}"
+        self.namespace = rung.namespace
+        run_dir = f"gs://{BUCKET}/bench/{self.namespace}/{name}"
         self.custom.create_namespaced_custom_object(
             *TRAININGJOBS,
-            NAMESPACE,
+            self.namespace,
             contract.TRAININGJOB_PLURAL,
             _rung_manifest(name, rung, model, failures, self.storage_env),
         )
@@ -747,11 +757,13 @@ class RungBench(Bench):
                 records.append(record)
                 print(f"  {name} failure {i + 1}: {json.dumps(record['stages'])}", file=sys.stderr, flush=True)
         except Exception:
-            self.diagnose(name, NAMESPACE)
+            self.diagnose(name, self.namespace)
             raise
-        status = self.status(name, NAMESPACE)
-        self.custom.delete_namespaced_custom_object(*TRAININGJOBS, NAMESPACE, contract.TRAININGJOB_PLURAL, name)
-        self.wait(lambda: not self.pods(name, NAMESPACE), timeout=180.0, interval=0.5)  # the next job needs the nodes
+        status = self.status(name, self.namespace)
+        self.custom.delete_namespaced_custom_object(*TRAININGJOBS, self.namespace, contract.TRAININGJOB_PLURAL, name)
+        self.wait(
+            lambda: not self.pods(name, self.namespace), timeout=180.0, interval=0.5
+        )  # the next job needs the nodes
         return {
             "rung": rung.key,
             "strategy": rung.strategy,
@@ -829,7 +841,21 @@ def _bench_rungs(
             assert cluster.gcs is not None
             proxy = ThrottledProxy(cluster.gcs, gcs_mb_per_s * 1e6 * RUNG_HOSTS).start()
             bench.storage_env, bench.proxy = proxy.env(), proxy
-        helm_install_operator(cluster.kubeconfig)
+        if all(r.source is None for r in rungs):
+            helm_install_operator(cluster.kubeconfig)
+        else:  # one release per namespace, each watching only its own rungs' jobs
+            for rung in {r.namespace: r for r in rungs}.values():
+                bench.ensure_namespace(rung.namespace)
+                key = "base" if rung.source else "current"
+                helm_install_operator(
+                    cluster.kubeconfig,
+                    f"watchNamespaces={{{rung.namespace}}}",
+                    release=f"{OPERATOR_RELEASE}-{key}" if rung.source else OPERATOR_RELEASE,
+                    chart=rung.source / "charts" / "tpujob" if rung.source else CHART,
+                    namespace=f"{OPERATOR_NAMESPACE}-{key}",
+                    env={"PYTHONPATH": rung.pythonpath} if rung.pythonpath else None,
+                    skip_crds=True,
+                )
         cluster_seconds = round(time.monotonic() - t0, 1)
         runs = []
         for r, rung in rung_plan(rungs, rounds):
@@ -943,10 +969,13 @@ def _main_rungs(args: argparse.Namespace) -> None:
     rungs = [RUNGS[k] for k in keys]
     started = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="tpujob-bench-") as temp, _checkout(args.baseline_rev, Path(temp)) as base:
-        if base is not None:  # each rung with that revision's trainer first (the ratios are over it)
+        if base is not None:  # each rung with that revision's operator and trainer first (the ratios are over it)
             _, _, source = base
-            path = ":".join(str(source / d) for d in SOURCES if (source / d).is_dir())
-            rungs = [r for rung in rungs for r in (replace(rung, key=f"{rung.key}-base", trainer_path=path), rung)]
+            rungs = [
+                r
+                for rung in rungs
+                for r in (replace(rung, key=f"{rung.key}-base", source=source, namespace=BASELINE_NAMESPACE), rung)
+            ]
         runs, cluster_seconds, throttled_bytes = _bench_rungs(
             rungs,
             args.model,
@@ -975,9 +1004,9 @@ def _main_rungs(args: argparse.Namespace) -> None:
         "gcs_bytes_through_throttle": throttled_bytes,
         "command": " ".join(["bench/recovery.py", *sys.argv[1:]]),
         "commit": f"{git('rev-parse', 'HEAD')} (working tree)",
-        "baseline_trainer": args.baseline_rev,
+        "baseline": args.baseline_rev,
         "rungs": {
-            r.key: {"strategy": r.strategy, "local": r.local, "trainer": r.trainer_path or "working tree"}
+            r.key: {"strategy": r.strategy, "local": r.local, "operator_and_trainer": str(r.source or "working tree")}
             for r in rungs
         },
         "failures_per_job": args.failures,
