@@ -53,7 +53,9 @@ docs-venv:
 # optional object on. Skips, each with its reason: .checkov.yaml. Offline: no API key (BC_API_KEY unset,
 # HOME an empty folder so no ~/.bridgecrew/credentials), no guideline or policy download, no version check.
 CHECKOV_FEATURES := --set kueue.enabled=true --set 'watchNamespaces={a,b}' --set metrics.serviceMonitor.enabled=true \
-  --set metrics.prometheusRule.enabled=true --set metrics.dashboard.enabled=true
+  --set metrics.prometheusRule.enabled=true --set metrics.dashboard.enabled=true \
+  --set 'spares.pools[0].name=v5e' --set 'spares.pools[0].accelerator=tpu-v5-lite-podslice' \
+  --set 'spares.pools[0].topology=2x2' --set 'spares.pools[0].hosts=1'
 
 crds: venv
 	$(PY) -m tpujob_operator.crd

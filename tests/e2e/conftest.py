@@ -33,7 +33,9 @@ E2E_POOLS = {
     "pools": [{"name": f"v5p-{c}", "accelerator": "tpu-v5p-slice", "topology": "2x2x2"} for c in "abcde"]
     # v5e d-g: the fault matrix runs five 1-host jobs side by side, each with a spare pool for its
     # restart (a replacement slice may be placed while the failed one's pod is still terminating).
-    + [{"name": f"v5e-{c}", "accelerator": "tpu-v5-lite-podslice", "topology": "2x2"} for c in "abcdefg"],
+    + [{"name": f"v5e-{c}", "accelerator": "tpu-v5-lite-podslice", "topology": "2x2"} for c in "abcdefg"]
+    # v6e: the hot-spare test's own shape, full with its 2-slice job and one spare placeholder.
+    + [{"name": f"v6e-{c}", "accelerator": "tpu-v6e-slice", "topology": "2x2"} for c in "abc"],
     "system_nodes": 1,
 }
 

@@ -3,20 +3,26 @@ pod runner restarting containers as a 1.35 kubelet does, the trainer's local tie
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
+import subprocess
+import time
 from typing import Any
 
-from kubernetes import client, watch
+import yaml
+from kubernetes import client, utils, watch
 from tpujob_devcluster.cluster import BUCKET
-from tpujob_devcluster.harness import live_pod_uids, lose_node, trainer_pid
+from tpujob_devcluster.controlplane import tools_dir
+from tpujob_devcluster.harness import CHART, live_pod_uids, lose_node, trainer_pid
 
 V5E_TWO_SLICES: dict[str, Any] = {"accelerator": "tpu-v5-lite-podslice", "topology": "2x2", "slices": 2}
+V6E_TWO_SLICES: dict[str, Any] = {"accelerator": "tpu-v6e-slice", "topology": "2x2", "slices": 2}  # hot spares' own
 LOCAL_INTERVAL = 5
 GCS_INTERVAL = 100  # far apart: the local tier is ahead of GCS when the trainer is killed
 
 
-def _apply_in_place(e2e: Any, name: str, gcs_interval: int) -> None:
+def _apply_in_place(e2e: Any, name: str, gcs_interval: int, shape: dict[str, Any] = V5E_TWO_SLICES) -> None:
     """A 600-step 2-slice job on the InPlace rung, with the local tier every LOCAL_INTERVAL steps."""
     e2e.apply(
         name,
@@ -30,7 +36,7 @@ def _apply_in_place(e2e: Any, name: str, gcs_interval: int) -> None:
             # needs the local tier every LOCAL_INTERVAL steps.
             "local": {"sizeLimit": "256Mi", "intervalSteps": LOCAL_INTERVAL, "overheadBudgetPercent": 0},
         },
-        **V5E_TWO_SLICES,
+        **shape,
     )
 
 
@@ -68,12 +74,18 @@ def test_a_crashed_trainer_restarts_in_place_from_the_local_tier(e2e):
     e2e.wait_events("inplace", {"RestartingInPlace"})
 
 
-def _watch_pod_until(e2e, name: str, since: str, done: Any, quiet: float = 60) -> Any:
-    """The first state of pod `name` after resourceVersion `since` that is `done` (the watch ends after `quiet` s)."""
+def _watch_pod_until(e2e, name: str, since: str | None, done: Any, quiet: float = 60, **selector: str) -> Any:
+    """The first state of pod `name` (or of any pod the `selector` selects) after resourceVersion `since`
+    that is `done` (the watch ends after `quiet` s). `since` None: from now, the pods as they are first."""
+    selector = selector or {"field_selector": f"metadata.name={name}"}
+    if since is None:
+        listed = e2e.core.list_namespaced_pod(e2e.namespace, **selector)
+        if found := [p for p in listed.items if done(p)]:
+            return found[0]
+        since = listed.metadata.resource_version
     stream = watch.Watch().stream(
-        e2e.core.list_namespaced_pod, e2e.namespace, field_selector=f"metadata.name={name}",
-        resource_version=since, timeout_seconds=int(quiet),
-    )  # fmt: skip
+        e2e.core.list_namespaced_pod, e2e.namespace, resource_version=since, timeout_seconds=int(quiet), **selector
+    )
     for event in stream:
         if done(event["object"]):
             return event["object"]
@@ -147,3 +159,81 @@ def test_an_evicted_worker_saves_its_step_on_sigterm_and_the_job_loses_nothing(e
     # The replacement pod's memory volume is new: every process restored the SIGTERM save from GCS.
     record = e2e.progress("inplaceevict")
     assert record is not None and record.restored_from == "gcs", record
+
+
+def _render_spares(e2e: Any, accelerator: str, topology: str, hosts: int) -> list[dict[str, Any]]:
+    """The chart's hot spares (values.yaml: spares), rendered by helm for the test's namespace."""
+    sets = {"name": "s", "accelerator": accelerator, "topology": topology, "hosts": hosts}
+    args = [a for key, value in sets.items() for a in ("--set", f"spares.pools[0].{key}={value}")]
+    helm = [str(tools_dir() / "helm"), "template", "tpujob", str(CHART), "-n", e2e.namespace]
+    rendered = subprocess.run(
+        [*helm, "-s", "templates/spares.yaml", *args], check=True, capture_output=True, text=True
+    ).stdout
+    return [d for d in yaml.safe_load_all(rendered) if d]
+
+
+SPARE_SELECTOR = "app.kubernetes.io/component=spare"
+
+
+def _spare_pods(e2e: Any) -> list[Any]:
+    return e2e.core.list_namespaced_pod(e2e.namespace, label_selector=SPARE_SELECTOR).items
+
+
+def test_a_lost_nodes_replacement_preempts_a_hot_spare_and_starts_on_its_host(e2e):
+    """No free host of the job's shape: the chart's spare placeholder holds the third v6e host. When a
+    node is lost, its pod's replacement (the slice's Job recreated) preempts the placeholder (the real
+    kube-scheduler, priority -1000 below the workers' 0) and starts on its host; the spare Deployment
+    makes a new placeholder, unschedulable while no host is free, running again once the job ends."""
+    docs = _render_spares(e2e, V6E_TWO_SLICES["accelerator"], V6E_TWO_SLICES["topology"], hosts=1)
+    try:
+        for doc in docs:
+            utils.create_from_dict(e2e.core.api_client, doc, namespace=e2e.namespace)
+        deadline = time.monotonic() + 120
+        while not (held := [p for p in _spare_pods(e2e) if p.status.phase == "Running" and p.spec.node_name]):
+            assert time.monotonic() < deadline, [(p.metadata.name, p.status.phase) for p in _spare_pods(e2e)]
+            time.sleep(0.5)
+        [spare] = held
+        _apply_in_place(e2e, "spare", GCS_INTERVAL, V6E_TWO_SLICES)
+        _wait_local_ahead_of_gcs(e2e, "spare")
+        before = live_pod_uids(e2e.core, e2e.namespace, "spare-a0")
+        job_hosts = {e2e.core.read_namespaced_pod(n, e2e.namespace).spec.node_name for n in before}
+        assert spare.spec.node_name not in job_hosts
+        lost = e2e.running_pod("spare-a0-slice-1-0")
+        [kept] = [name for name in before if name != lost]
+        spare = e2e.core.read_namespaced_pod(spare.metadata.name, e2e.namespace)  # a resourceVersion of now
+        node = lose_node(e2e.core, e2e.namespace, lost)
+        try:
+            preempted = _watch_pod_until(
+                e2e, spare.metadata.name, spare.metadata.resource_version,
+                lambda p: any(c.type == "DisruptionTarget" for c in p.status.conditions or []),
+            )  # fmt: skip
+            [reason] = [c.reason for c in preempted.status.conditions if c.type == "DisruptionTarget"]
+            assert reason == "PreemptionByScheduler", preempted.status.conditions
+
+            # The Deployment's new placeholder finds no free host (the job's two and the spare's are taken)...
+            def unschedulable(p: Any) -> bool:
+                scheduled = [(c.status, c.reason) for c in p.status.conditions or [] if c.type == "PodScheduled"]
+                return p.metadata.name != spare.metadata.name and scheduled == [("False", "Unschedulable")]
+
+            since = preempted.metadata.resource_version
+            waiting = _watch_pod_until(e2e, "a new spare", since, unschedulable, label_selector=SPARE_SELECTOR)
+            status = e2e.wait("spare", lambda s: s.get("phase") == "Succeeded", 360, "Succeeded")
+            failure = status["lastFailure"]
+            assert (failure["rung"], failure["kind"], failure["counted"]) == ("InPlace", "NodeLost", False), failure
+            after = live_pod_uids(e2e.core, e2e.namespace, "spare-a0")
+            assert after[kept] == before[kept] and lost not in after, (before, after)
+            [replacement] = [e2e.core.read_namespaced_pod(n, e2e.namespace) for n in after if n != kept]
+            assert replacement.spec.node_name == spare.spec.node_name  # the spare's host
+            # ... until the job ends and frees its hosts: the spare is back by itself.
+            back = _watch_pod_until(
+                e2e, waiting.metadata.name, None,
+                lambda p: p.status.phase == "Running" and bool(p.spec.node_name),
+            )  # fmt: skip
+            assert back.spec.node_name in job_hosts | {spare.spec.node_name}
+        finally:
+            node.restore(e2e.core)
+    finally:
+        for doc in docs:
+            if doc["kind"] == "PriorityClass":  # cluster-wide: the namespace's deletion leaves it
+                with contextlib.suppress(client.ApiException):
+                    client.SchedulingV1Api(e2e.core.api_client).delete_priority_class(doc["metadata"]["name"])

@@ -8,7 +8,9 @@ from typing import Any
 
 import yaml
 from kubernetes import client
+from tpujob_contract import ACCELERATOR_LABEL, TOPOLOGY_LABEL
 from tpujob_devcluster.controlplane import tools_dir
+from tpujob_operator.tpu import ACCELERATORS, slice_shape
 
 from .conftest import eventually
 
@@ -427,3 +429,42 @@ def test_metrics_disabled_renders_no_service_port_or_monitor():
     container = _operator_container(docs)
     assert "--metrics-port=0" in container["args"]
     assert [p["name"] for p in container["ports"]] == ["health"]
+
+
+def _spare_pools(shapes: list[tuple[str, str]], hosts: int = 1) -> list[str]:
+    return [
+        f"spares.pools[{i}].{key}={value}"
+        for i, (accelerator, topology) in enumerate(shapes)
+        for key, value in (("name", f"p{i}"), ("accelerator", accelerator), ("topology", topology), ("hosts", hosts))
+    ]
+
+
+def test_spares_hold_one_host_each_of_every_shape_with_the_chips_a_worker_of_it_asks_for():
+    """A spare asks for what a worker of its shape asks (tpu.py, the operator's one table): every chip of
+    one host, so one spare per host and a replacement fits exactly where it was."""
+    shapes = [(family.accelerator, topology) for family in ACCELERATORS.values() for topology in family.topologies]
+    docs = render(*_spare_pools(shapes, hosts=2))
+    spares = [d for d in docs if d["kind"] == "Deployment" and d["metadata"]["name"].startswith("tpujob-spare-")]
+    assert len(spares) == len(shapes)
+    for (accelerator, topology), deployment in zip(shapes, spares, strict=True):
+        pod = deployment["spec"]["template"]["spec"]
+        [container] = pod["containers"]
+        chips = slice_shape(accelerator, topology).chips_per_host
+        assert container["resources"]["requests"]["google.com/tpu"] == str(chips), (accelerator, topology)
+        assert container["resources"]["limits"]["google.com/tpu"] == str(chips)
+        assert pod["nodeSelector"] == {ACCELERATOR_LABEL: accelerator, TOPOLOGY_LABEL: topology}
+        assert deployment["spec"]["replicas"] == 2
+        assert pod["priorityClassName"] == "tpujob-spare" and pod["terminationGracePeriodSeconds"] == 0
+        assert pod["automountServiceAccountToken"] is False  # a placeholder never talks to the API
+    [priority] = [d for d in docs if d["kind"] == "PriorityClass"]
+    assert (priority["value"], priority["preemptionPolicy"]) == (-1000, "Never")
+    # No pools: no placeholder, no PriorityClass.
+    assert not [d for d in render() if d["kind"] == "PriorityClass" or "spare" in d["metadata"]["name"]]
+
+
+def test_spares_refuse_what_could_not_be_a_spare():
+    pool = _spare_pools([("tpu-v5-lite-podslice", "2x2")])
+    assert "must be negative" in refused_render(*pool, "spares.priority=0")
+    assert 'accelerator "tpu-v9" is not one of' in refused_render(*_spare_pools([("tpu-v9", "2x2")]))
+    assert "is not a TPU topology" in refused_render(*_spare_pools([("tpu-v5-lite-podslice", "2by2")]))
+    assert "must be a DNS label" in refused_render(*pool, "spares.pools[0].name=Not_A_Label")
