@@ -54,6 +54,8 @@ default egress quota of 200 Gbps per project and region, over 1,000 hosts restor
 `--failure node` (with `--spare-nodes 1`) deletes the victim's node instead of killing its trainer: the
 pod is gone with it and is replaced on the spare node, the other workers restart in place (InPlace) or
 are recreated (Recreate); the node comes back after each recovery. The stages are the same.
+`--hot-spares` puts a placeholder of the chart's `spares` on each spare node first: the replacement
+then preempts it (kill_to_process includes the preemption).
 With `--baseline-rev REV`, each rung runs twice per round, first as `<rung>-base` with REV's operator
 (a release of REV's chart watching its own namespace, REV's sources first on its PYTHONPATH) and REV's
 trainer (first on the pods' PYTHONPATH), then with this tree's: the ratios are over the first. Per
@@ -824,6 +826,7 @@ def _bench_rungs(
     spare: int = 0,
     gcs_mb_per_s: float = 0.0,
     failure: str = "crash",
+    hot_spares: bool = False,
 ) -> tuple[list[dict[str, Any]], float, dict[str, int]]:
     t0 = time.monotonic()
     # v5e 2x2 pools for the 2-slice job's two nodes, and `spare` more: with none, Recreate reschedules
@@ -841,8 +844,11 @@ def _bench_rungs(
             assert cluster.gcs is not None
             proxy = ThrottledProxy(cluster.gcs, gcs_mb_per_s * 1e6 * RUNG_HOSTS).start()
             bench.storage_env, bench.proxy = proxy.env(), proxy
+        # The chart's hot spares: a placeholder on each spare node, which a replacement must preempt.
+        pool = {"name": "v5e", "accelerator": "tpu-v5-lite-podslice", "topology": "2x2", "hosts": spare}
+        spares = [f"spares.pools[0].{k}={v}" for k, v in pool.items()] if hot_spares else []
         if all(r.source is None for r in rungs):
-            helm_install_operator(cluster.kubeconfig)
+            helm_install_operator(cluster.kubeconfig, *spares)
         else:  # one release per namespace, each watching only its own rungs' jobs
             for rung in {r.namespace: r for r in rungs}.values():
                 bench.ensure_namespace(rung.namespace)
@@ -850,6 +856,7 @@ def _bench_rungs(
                 helm_install_operator(
                     cluster.kubeconfig,
                     f"watchNamespaces={{{rung.namespace}}}",
+                    *([] if rung.source else spares),
                     release=f"{OPERATOR_RELEASE}-{key}" if rung.source else OPERATOR_RELEASE,
                     chart=rung.source / "charts" / "tpujob" if rung.source else CHART,
                     namespace=f"{OPERATOR_NAMESPACE}-{key}",
@@ -907,6 +914,11 @@ def main() -> None:
         help="with --rungs: crash (SIGKILL of a trainer process) or node (its node deleted; needs --spare-nodes 1)",
     )
     parser.add_argument(
+        "--hot-spares",
+        action="store_true",
+        help="with --rungs: the chart's spares hold the spare nodes (placeholders a replacement preempts)",
+    )
+    parser.add_argument(
         "--gcs-mb-per-s",
         type=float,
         default=DEFAULT_GCS_MB_PER_S,
@@ -960,6 +972,8 @@ def main() -> None:
 
 
 def _main_rungs(args: argparse.Namespace) -> None:
+    if args.hot_spares and args.spare_nodes < 1:
+        sys.exit("--hot-spares needs --spare-nodes 1 or more: the nodes its placeholders hold")
     if args.failure == "node" and args.spare_nodes < 1:
         sys.exit("--failure node needs --spare-nodes 1 or more: the lost node's pod is placed on a spare one")
     keys = [k.strip() for k in args.rungs.split(",") if k.strip()]
@@ -986,11 +1000,14 @@ def _main_rungs(args: argparse.Namespace) -> None:
             args.spare_nodes,
             args.gcs_mb_per_s,
             args.failure,
+            args.hot_spares,
         )
     result = {
         "benchmark": "recovery-rungs",
         "workload": (
-            f"{args.model} LM, 2 slices v5e 2x2 (2 hosts, {args.spare_nodes} spare nodes), backoff 0, "
+            f"{args.model} LM, 2 slices v5e 2x2 (2 hosts, {args.spare_nodes} spare nodes"
+            + (", each held by a hot spare placeholder" if args.hot_spares else "")
+            + "), backoff 0, "
             f"{FAILURES[args.failure]} (slice 1) 4-12 s after the previous recovery, progress every 0.5 s, "
             f"GCS every {RUNG_GCS_INTERVAL} steps, local tier (inplace) every {RUNG_LOCAL_INTERVAL} steps, "
             + (
