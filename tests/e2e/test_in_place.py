@@ -92,53 +92,6 @@ def _watch_pod_until(e2e, name: str, since: str | None, done: Any, quiet: float 
     raise AssertionError(f"pod {name}: no state that ends the wait, and nothing for {quiet} s")
 
 
-def test_a_lost_node_replaces_only_its_pod_restores_it_from_the_other_slice_and_the_rest_restart_in_place(e2e):
-    _apply_in_place(e2e, "inplacenode", GCS_INTERVAL)
-    _wait_local_ahead_of_gcs(e2e, "inplacenode")
-    before = live_pod_uids(e2e.core, e2e.namespace, "inplacenode-a0")
-    assert len(before) == 2, before
-    lost = e2e.running_pod("inplacenode-a0-slice-1-0")
-    [kept] = [name for name in before if name != lost]
-    lost_pod = e2e.core.read_namespaced_pod(lost, e2e.namespace)
-    lost_job = lost_pod.metadata.labels
-    node = lose_node(e2e.core, e2e.namespace, lost)
-    try:
-        # The operator marks the pod Failed (NodeGone) as soon as its node is gone (the pod garbage
-        # collector would mark it DeletionByPodGC, only after its 40 s orphan quarantine), then removes
-        # it once the failure is recorded: the pod's watch shows every state it went through.
-        failed = _watch_pod_until(e2e, lost, lost_pod.metadata.resource_version, lambda p: p.status.phase == "Failed")
-        assert [c.reason for c in failed.status.conditions if c.type == "DisruptionTarget"] == ["NodeGone"]
-        status = e2e.wait("inplacenode", lambda s: s.get("phase") == "Succeeded", 360, "Succeeded")
-        failure = status["lastFailure"]
-        assert (failure["rung"], failure["kind"], failure["counted"]) == ("InPlace", "NodeLost", False), failure
-        assert (status["restarts"], status["inPlaceRestarts"], status["attempt"]) == (1, 1, 0), status
-        assert [js["metadata"]["name"] for js in e2e.jobsets()] == ["inplacenode-a0"]
-        after = live_pod_uids(e2e.core, e2e.namespace, "inplacenode-a0")
-        # The lost node's pod alone was replaced, on another node; the other is the same pod, its
-        # containers restarted in place.
-        assert after[kept] == before[kept], (before, after)
-        assert lost not in after and len(after) == 2, (before, after)
-        [replacement] = [e2e.core.read_namespaced_pod(n, e2e.namespace) for n in after if n != kept]
-        assert replacement.spec.node_name != node.name
-        # ... by its slice's Job recreated (the operator deleted the Job whose only pod was lost, JobSet made it
-        # again): a new Job has none of the old one's pod failure back-off (10 s, doubled at each loss).
-        job_name, job_uid = "batch.kubernetes.io/job-name", "batch.kubernetes.io/controller-uid"
-        assert replacement.metadata.labels[job_name] == lost_job[job_name] == "inplacenode-a0-slice-1"
-        recreated = client.BatchV1Api(e2e.core.api_client).read_namespaced_job(lost_job[job_name], e2e.namespace)
-        assert recreated.metadata.uid == replacement.metadata.labels[job_uid] != lost_job[job_uid]
-        survivor = e2e.core.read_namespaced_pod(kept, e2e.namespace)
-        assert survivor.status.container_statuses[0].restart_count >= 1, survivor.status.container_statuses
-        # The replacement's memory volume is new: the survivor's slice sent it the newest local step, a
-        # step the bucket never had (no byte of the restore came from GCS).
-        record = e2e.progress("inplacenode")
-        assert record is not None and record.restored_from == "peer", record
-        assert record.restored_step is not None and record.restored_step not in e2e.committed_steps("inplacenode")
-        assert failure["resumeStep"] == record.restored_step and failure["lostSteps"] <= 2 * LOCAL_INTERVAL, failure
-        assert failure["restoredFrom"] == "peer", failure
-    finally:
-        node.restore(e2e.core)
-
-
 def test_an_evicted_worker_saves_its_step_on_sigterm_and_the_job_loses_nothing(e2e):
     """A drain or a preemption: SIGTERM reaches the trainer under JobSet's agent (through tpujob-init),
     which saves the step it is at to GCS, where its replacement pod restores it from. Evicted early
@@ -179,11 +132,13 @@ def _spare_pods(e2e: Any) -> list[Any]:
     return e2e.core.list_namespaced_pod(e2e.namespace, label_selector=SPARE_SELECTOR).items
 
 
-def test_a_lost_nodes_replacement_preempts_a_hot_spare_and_starts_on_its_host(e2e):
-    """No free host of the job's shape: the chart's spare placeholder holds the third v6e host. When a
-    node is lost, its pod's replacement (the slice's Job recreated) preempts the placeholder (the real
-    kube-scheduler, priority -1000 below the workers' 0) and starts on its host; the spare Deployment
-    makes a new placeholder, unschedulable while no host is free, running again once the job ends."""
+def test_a_lost_node_is_replaced_on_a_hot_spare_restored_from_the_other_slice_and_the_rest_restart_in_place(e2e):
+    """No free host of the job's shape: the chart's spare placeholder holds the third v6e host. A node is
+    lost: the operator marks its pod Failed at once and, once the failure is recorded, deletes the
+    slice's Job for JobSet to recreate (no Job back-off). The replacement preempts the placeholder (the
+    real kube-scheduler: priority -1000 below the workers' 0) and starts on its host, and receives the
+    newest local step from the other slice; the other pod restarts in place. The spare Deployment's new
+    placeholder is unschedulable while no host is free, and runs again once the job ends."""
     docs = _render_spares(e2e, V6E_TWO_SLICES["accelerator"], V6E_TWO_SLICES["topology"], hosts=1)
     try:
         for doc in docs:
@@ -193,16 +148,25 @@ def test_a_lost_nodes_replacement_preempts_a_hot_spare_and_starts_on_its_host(e2
             assert time.monotonic() < deadline, [(p.metadata.name, p.status.phase) for p in _spare_pods(e2e)]
             time.sleep(0.5)
         [spare] = held
-        _apply_in_place(e2e, "spare", GCS_INTERVAL, V6E_TWO_SLICES)
-        _wait_local_ahead_of_gcs(e2e, "spare")
-        before = live_pod_uids(e2e.core, e2e.namespace, "spare-a0")
+        _apply_in_place(e2e, "inplacenode", GCS_INTERVAL, V6E_TWO_SLICES)
+        _wait_local_ahead_of_gcs(e2e, "inplacenode")
+        before = live_pod_uids(e2e.core, e2e.namespace, "inplacenode-a0")
+        assert len(before) == 2, before
         job_hosts = {e2e.core.read_namespaced_pod(n, e2e.namespace).spec.node_name for n in before}
         assert spare.spec.node_name not in job_hosts
-        lost = e2e.running_pod("spare-a0-slice-1-0")
+        lost = e2e.running_pod("inplacenode-a0-slice-1-0")
         [kept] = [name for name in before if name != lost]
+        lost_pod = e2e.core.read_namespaced_pod(lost, e2e.namespace)
         spare = e2e.core.read_namespaced_pod(spare.metadata.name, e2e.namespace)  # a resourceVersion of now
         node = lose_node(e2e.core, e2e.namespace, lost)
         try:
+            # The operator marks the pod Failed (NodeGone) as soon as its node is gone (the pod garbage
+            # collector would mark it DeletionByPodGC, only after its 40 s orphan quarantine), then removes
+            # it once the failure is recorded: the pod's watch shows every state it went through.
+            failed = _watch_pod_until(
+                e2e, lost, lost_pod.metadata.resource_version, lambda p: p.status.phase == "Failed"
+            )
+            assert [c.reason for c in failed.status.conditions if c.type == "DisruptionTarget"] == ["NodeGone"]
             preempted = _watch_pod_until(
                 e2e, spare.metadata.name, spare.metadata.resource_version,
                 lambda p: any(c.type == "DisruptionTarget" for c in p.status.conditions or []),
@@ -217,18 +181,37 @@ def test_a_lost_nodes_replacement_preempts_a_hot_spare_and_starts_on_its_host(e2
 
             since = preempted.metadata.resource_version
             waiting = _watch_pod_until(e2e, "a new spare", since, unschedulable, label_selector=SPARE_SELECTOR)
-            status = e2e.wait("spare", lambda s: s.get("phase") == "Succeeded", 360, "Succeeded")
+            status = e2e.wait("inplacenode", lambda s: s.get("phase") == "Succeeded", 360, "Succeeded")
             failure = status["lastFailure"]
             assert (failure["rung"], failure["kind"], failure["counted"]) == ("InPlace", "NodeLost", False), failure
-            after = live_pod_uids(e2e.core, e2e.namespace, "spare-a0")
-            assert after[kept] == before[kept] and lost not in after, (before, after)
+            assert (status["restarts"], status["inPlaceRestarts"], status["attempt"]) == (1, 1, 0), status
+            assert [js["metadata"]["name"] for js in e2e.jobsets()] == ["inplacenode-a0"]
+            # The lost node's pod alone was replaced, on the spare's host; the other is the same pod, its
+            # containers restarted in place.
+            after = live_pod_uids(e2e.core, e2e.namespace, "inplacenode-a0")
+            assert after[kept] == before[kept] and lost not in after and len(after) == 2, (before, after)
             [replacement] = [e2e.core.read_namespaced_pod(n, e2e.namespace) for n in after if n != kept]
-            assert replacement.spec.node_name == spare.spec.node_name  # the spare's host
-            # ... until the job ends and frees its hosts: the spare is back by itself.
+            assert replacement.spec.node_name == spare.spec.node_name
+            survivor = e2e.core.read_namespaced_pod(kept, e2e.namespace)
+            assert survivor.status.container_statuses[0].restart_count >= 1, survivor.status.container_statuses
+            # ... by its slice's Job recreated (the operator deleted the Job whose only pod was lost, JobSet
+            # made it again): a new Job has none of the old one's pod failure back-off (10 s, doubled at each loss).
+            job_name, job_uid = "batch.kubernetes.io/job-name", "batch.kubernetes.io/controller-uid"
+            lost_job = lost_pod.metadata.labels
+            assert replacement.metadata.labels[job_name] == lost_job[job_name] == "inplacenode-a0-slice-1"
+            recreated = client.BatchV1Api(e2e.core.api_client).read_namespaced_job(lost_job[job_name], e2e.namespace)
+            assert recreated.metadata.uid == replacement.metadata.labels[job_uid] != lost_job[job_uid]
+            # The replacement's memory volume is new: the survivor's slice sent it the newest local step, a
+            # step the bucket never had (no byte of the restore came from GCS).
+            record = e2e.progress("inplacenode")
+            assert record is not None and record.restored_from == "peer", record
+            assert record.restored_step is not None and record.restored_step not in e2e.committed_steps("inplacenode")
+            assert failure["resumeStep"] == record.restored_step and failure["lostSteps"] <= 2 * LOCAL_INTERVAL
+            assert failure["restoredFrom"] == "peer", failure
+            # ... and the spare is back by itself once the job has ended and freed its hosts.
             back = _watch_pod_until(
-                e2e, waiting.metadata.name, None,
-                lambda p: p.status.phase == "Running" and bool(p.spec.node_name),
-            )  # fmt: skip
+                e2e, waiting.metadata.name, None, lambda p: p.status.phase == "Running" and bool(p.spec.node_name)
+            )
             assert back.spec.node_name in job_hosts | {spare.spec.node_name}
         finally:
             node.restore(e2e.core)
