@@ -2,10 +2,11 @@
 place, and the operator records, charges and, when the rung is spent or stalls, climbs to Recreate."""
 
 import dataclasses
+import functools
 from datetime import UTC, datetime, timedelta
 
 from tpujob_operator.facts import JobSetFacts, NodeFacts, Observed, PodFacts
-from tpujob_operator.jobset import IN_PLACE_RESTART_EXIT_CODE, jobset_facts
+from tpujob_operator.jobset import IN_PLACE_RESTART_EXIT_CODE, jobset_facts, slice_job_name
 from tpujob_operator.nodes import (
     NODE_GONE_DISRUPTION,
     awaited_nodes,
@@ -109,6 +110,9 @@ def test_a_pod_marked_failed_on_a_gone_node_is_removed_once_its_round_is_recorde
     assert recorded_pods_on_gone_nodes([marked], None, T0) == []  # no node watch: nothing is known gone
 
 
+OWN_JOB = functools.partial(slice_job_name, "llama-a0")
+
+
 def test_a_slice_whose_pods_all_went_with_their_nodes_has_its_job_recreated_and_only_that_job():
     """Once the lost pods are recorded and removed, their slice's Job is deleted (that uid only) for JobSet
     to recreate: the Job controller would create the replacement only after its back-off (10 s, doubled
@@ -133,12 +137,18 @@ def test_a_slice_whose_pods_all_went_with_their_nodes_has_its_job_recreated_and_
     _, actions = reconcile(_job(), dataclasses.replace(_observed(half), nodes=nodes))
     assert actions.remove_from_gone_nodes == ["llama-a0-slice-0-0"] and actions.recreate_lost_slices == []
     # The watch has not delivered the Job's other pod: kept. The Job's replacement pod exists: kept.
-    assert slices_lost_whole([lost[0]], ["llama-a0-slice-0-0"], hosts=2) == []
+    assert slices_lost_whole([lost[0]], ["llama-a0-slice-0-0"], hosts=2, slice_job=OWN_JOB) == []
     replacement = pod("llama-a0-slice-0-0-new", 0, "uid-0", phase="Pending")
-    assert slices_lost_whole([*lost, replacement], [p.name for p in lost], hosts=2) == []
+    assert slices_lost_whole([*lost, replacement], [p.name for p in lost], hosts=2, slice_job=OWN_JOB) == []
     # A Job recreated under the same name is another uid: the old one's pods never name it.
     recreated = [dataclasses.replace(p, name=f"{p.name}-b", job_uid="uid-0b", phase="Pending", node=None) for p in lost]
-    assert slices_lost_whole([*lost, *recreated], [p.name for p in lost], hosts=2) == [("llama-a0-slice-0", "uid-0")]
+    assert slices_lost_whole([*lost, *recreated], [p.name for p in lost], hosts=2, slice_job=OWN_JOB) == [
+        ("llama-a0-slice-0", "uid-0")
+    ]
+    # Only the JobSet's own slice Jobs: a pod whose labels name another Job (any pod author can write
+    # labels) never gets that Job deleted.
+    forged = [dataclasses.replace(p, job="payments-db-migrate", job_uid="uid-victim") for p in lost]
+    assert slices_lost_whole(forged, [p.name for p in lost], hosts=2, slice_job=OWN_JOB) == []
     # Recreate rung: the whole JobSet goes anyway; JobSet must not bring a deleted Job back beside it.
     _, actions = reconcile(
         _job(), dataclasses.replace(_observed(dataclasses.replace(jobset, in_place=False)), nodes=nodes)

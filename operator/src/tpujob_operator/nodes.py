@@ -28,7 +28,7 @@ the failure counts too (a pod cannot train for long on a NotReady node: the tain
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any, Literal
@@ -226,17 +226,20 @@ def recorded_pods_on_gone_nodes(
     ]
 
 
-def slices_lost_whole(pods: Iterable[PodFacts], removed: Iterable[str], hosts: int) -> list[tuple[str, str]]:
+def slices_lost_whole(
+    pods: Iterable[PodFacts], removed: Iterable[str], hosts: int, slice_job: Callable[[int], str]
+) -> list[tuple[str, str]]:
     """(Job, uid) of every slice Job whose `hosts` pods are all `removed` (failed on gone nodes, their
     failure recorded): nothing of that Job runs any more. Deleted, JobSet recreates it and its new pods
     start at once; kept, the Job controller creates their replacements only after its back-off (10 s,
     doubled at each failure of that Job, measured from the pod's end), and the back-off goes with the
     Job. A Job with a pod that is not removed (still running, or the replacement it already made),
-    or with pods the watch has not delivered, is kept."""
+    or with pods the watch has not delivered, is kept. Only the JobSet's own slice Jobs, named
+    `slice_job(slice)`, are considered: a pod's labels name any Job its author likes."""
     gone = set(removed)
     by_job: dict[tuple[str, str], list[str]] = {}
     for p in pods:
-        if p.job is not None and p.job_uid is not None:
+        if p.slice is not None and p.job == slice_job(p.slice) and p.job_uid is not None:
             by_job.setdefault((p.job, p.job_uid), []).append(p.name)
     return sorted(job for job, names in by_job.items() if len(names) == hosts and gone.issuperset(names))
 

@@ -13,6 +13,7 @@ be read, and every clock starts again when a suspension ends or storage comes ba
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Iterable
 from datetime import datetime
 
@@ -45,7 +46,7 @@ from .facts import (
     Worker,
     still_writing,
 )
-from .jobset import jobset_name
+from .jobset import jobset_name, slice_job_name
 from .nodes import pods_on_gone_nodes, recorded_pods_on_gone_nodes, slices_lost_whole
 from .restarts import (
     MAX_UNCOUNTED_RESTARTS_WITHOUT_PROGRESS,
@@ -115,7 +116,9 @@ def reconcile(tj: TrainingJob, observed: Observed) -> tuple[TrainingJobStatus, A
         actions.remove_from_gone_nodes = recorded_pods_on_gone_nodes(current.pods, observed.nodes, recorded)
         if current.in_place and current.slices:
             hosts = current.expected_pods // current.slices
-            actions.recreate_lost_slices = slices_lost_whole(current.pods, actions.remove_from_gone_nodes, hosts)
+            own_job = functools.partial(slice_job_name, current.name)
+            lost = slices_lost_whole(current.pods, actions.remove_from_gone_nodes, hosts, own_job)
+            actions.recreate_lost_slices = lost
             actions.events += [
                 Event("Normal", "SliceJobRecreated", f"Job {job}: every pod of it was lost with its node; deleted "
                       "for JobSet to recreate, so that its replacements start without the Job's failure back-off")
