@@ -176,12 +176,12 @@ def _delete_one_array_object(job: Job, step: int) -> str:
     return victim
 
 
-@pytest.mark.timeout(300)
 def _step_bytes(job: Job, folder: str) -> dict[str, bytes]:
     prefix = f"{job.prefix}/{folder}/"
     return {name[len(prefix) :]: job.gcs.download(BUCKET, name) for name in job.gcs.list_objects(BUCKET, prefix)}
 
 
+@pytest.mark.timeout(300)
 def test_damaged_latest_step_is_quarantined_and_an_older_one_restored(job: Job) -> None:
     assert job.start(TINY).wait(150) == [0]
     committed = job.committed_steps()
