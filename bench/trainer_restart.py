@@ -17,7 +17,9 @@ clocks this machine shares (the bench's, and the trainer's own progress record, 
   total                   spawn -> first step done
 The sides (`--sides`): `off` (TPUJOB_COMPILATION_CACHE_DIR=off: no persistent cache at all) and `on`
 (TPUJOB_LOCAL_COMPILATION_CACHE_DIR, the process's own tier, which a restart in place keeps, kept from
-the round's cold start on; the shared tier is the run directory's jax-cache, as an InPlace job has it).
+the round's cold start on; the shared tier is the run directory's jax-cache, as an InPlace job has it),
+and `replaced` (a lost node's replacement pod: its own tier new and empty at every restart, the shared
+tier kept: what it reads comes from the run directory).
 Sides alternate within a round, every other round in reverse order, so the machine's drift falls on
 both. A process that exits before its first step (the TPU can refuse a program started just after
 another was killed) is started again after 5 s, counted in `retries`; the stages are the successful one's.
@@ -179,7 +181,9 @@ class Trainer:
         else:
             env.pop(contract.COMPILATION_CACHE_ENV, None)
             env.pop("JAX_COMPILATION_CACHE_DIR", None)
-            env[contract.Env.LOCAL_COMPILATION_CACHE_DIR] = str(self.round_dir / "own-compile-cache")
+            # `replaced`: a new pod (a lost node's replacement) brings a new, empty own tier every time
+            own = "own-compile-cache" + (f"-{self.attempt}" if self.side == "replaced" else "")
+            env[contract.Env.LOCAL_COMPILATION_CACHE_DIR] = str(self.round_dir / own)
         if self.args.platforms:
             env["JAX_PLATFORMS"] = self.args.platforms
         return env
@@ -288,7 +292,11 @@ def _machine(round_dirs: list[Path]) -> dict[str, Any]:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="medium")
-    p.add_argument("--sides", default="off,on", help="of off (no compilation cache), on (the process's own tier)")
+    p.add_argument(
+        "--sides",
+        default="off,on",
+        help="of off (no compilation cache), on (the process's own tier), replaced (a new own tier each restart)",
+    )
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--restarts", type=int, default=2, help="restarts per round after its cold start")
     p.add_argument("--steps", type=int, default=1_000_000, help="the trainer's --steps (it is killed long before)")
@@ -301,8 +309,8 @@ def main() -> None:
     p.add_argument("--keep", default="", help="keep the work directory here (default: a temporary one, removed)")
     args = p.parse_args()
     sides = [s.strip() for s in args.sides.split(",") if s.strip()]
-    if not sides or any(s not in ("off", "on") for s in sides):
-        raise SystemExit(f"--sides: off and/or on, got {args.sides!r}")
+    if not sides or any(s not in ("off", "on", "replaced") for s in sides):
+        raise SystemExit(f"--sides: of off, on and replaced, got {args.sides!r}")
     started = time.monotonic()
     cold: dict[str, list[dict[str, Any]]] = {s: [] for s in sides}
     restarts: dict[str, list[dict[str, Any]]] = {s: [] for s in sides}
@@ -328,6 +336,7 @@ def main() -> None:
         "seconds": round(time.monotonic() - started, 1),
         "sides": per_side,
         "restart_on_vs_off": side_by_side({s: v["restart"] for s, v in per_side.items()}),
+        "restart_replaced_vs_off": side_by_side({s: v["restart"] for s, v in per_side.items()}, after="replaced"),
         "runs": {s: {"cold_start": cold[s], "restarts": restarts[s]} for s in sides},
     }
     print(json.dumps(result))
