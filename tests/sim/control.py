@@ -129,8 +129,8 @@ class Operator:
         calls += [lambda n=name: world.delete_jobset(n, FAILED_ATTEMPT_GRACE_SECONDS) for name in actions.delete]
         calls += [lambda n=name: world.delete_jobset(n, None) for name in actions.stop]
         calls += [lambda p=pod, n=node: world.fail_pod_on_gone_node(p, n) for pod, node in actions.fail_on_gone_nodes]
-        calls += [lambda p=pod: world.delete_ended_pod(p) for pod in actions.remove_from_gone_nodes]
         calls += [lambda j=job, u=uid: world.delete_slice_job(j, u) for job, uid in actions.recreate_lost_slices]
+        calls += [lambda p=pod: world.delete_ended_pod(p) for pod in actions.remove_from_gone_nodes]
         if actions.create_attempt is not None:
             queue = queue_name(tj, None)
             manifest = build_jobset(

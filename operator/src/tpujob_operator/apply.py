@@ -150,12 +150,14 @@ class Applier:
             if not kube.node_exists(node):  # the cache may not yet hold a node just added
                 log.info("%s/%s: pod %s is bound to node %s, which is gone: marking it Failed", *key, pod, node)
                 kube.fail_pod_on_gone_node(key[0], pod, node)
-        for pod in actions.remove_from_gone_nodes:
-            log.info("%s/%s: removing pod %s, failed on a node that is gone (its failure is recorded)", *key, pod)
-            kube.delete_pod(key[0], pod)
+        # A lost slice's Job before its pods: an operator that dies between the two still finds the pods,
+        # and so the Job to delete, in its next decision (the other way round it would find neither).
         for job_name, job_uid in actions.recreate_lost_slices:
             log.info("%s/%s: deleting Job %s, all its pods lost with their nodes: JobSet recreates it", *key, job_name)
             kube.delete_job(key[0], job_name, job_uid)
+        for pod in actions.remove_from_gone_nodes:
+            log.info("%s/%s: removing pod %s, failed on a node that is gone (its failure is recorded)", *key, pod)
+            kube.delete_pod(key[0], pod)
 
     def create(
         self,

@@ -167,9 +167,9 @@ class Event:
 
 @dataclass
 class Actions:
-    """Side effects the runtime performs, in this order: status, delete, stop, pods on gone nodes failed
-    or removed (then their slices' Jobs), create, events, suspend (the failed attempt's JobSet is gone
-    before its replacement exists: never two live attempts)."""
+    """Side effects the runtime performs, in this order: status, delete, stop, pods on gone nodes failed,
+    lost slices' Jobs deleted, pods on gone nodes removed, create, events, suspend (the failed attempt's
+    JobSet is gone before its replacement exists: never two live attempts)."""
 
     create_attempt: int | None = None
     create_slices: int | None = None  # the attempt's slice count (None: spec.tpu.slices)
