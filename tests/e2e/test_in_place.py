@@ -17,7 +17,7 @@ from tpujob_devcluster.controlplane import tools_dir
 from tpujob_devcluster.harness import CHART, live_pod_uids, lose_node, trainer_pid
 
 V5E_TWO_SLICES: dict[str, Any] = {"accelerator": "tpu-v5-lite-podslice", "topology": "2x2", "slices": 2}
-V6E_TWO_SLICES: dict[str, Any] = {"accelerator": "tpu-v6e-slice", "topology": "2x2", "slices": 2}  # hot spares' own
+V4_TWO_SLICES: dict[str, Any] = {"accelerator": "tpu-v4-podslice", "topology": "2x2x1", "slices": 2}  # hot spares' own
 LOCAL_INTERVAL = 5
 GCS_INTERVAL = 100  # far apart: the local tier is ahead of GCS when the trainer is killed
 
@@ -133,13 +133,13 @@ def _spare_pods(e2e: Any) -> list[Any]:
 
 
 def test_a_lost_node_is_replaced_on_a_hot_spare_restored_from_the_other_slice_and_the_rest_restart_in_place(e2e):
-    """No free host of the job's shape: the chart's spare placeholder holds the third v6e host. A node is
+    """No free host of the job's shape: the chart's spare placeholder holds the third v4 host. A node is
     lost: the operator marks its pod Failed at once and, once the failure is recorded, deletes the
     slice's Job for JobSet to recreate (no Job back-off). The replacement preempts the placeholder (the
     real kube-scheduler: priority -1000 below the workers' 0) and starts on its host, and receives the
     newest local step from the other slice; the other pod restarts in place. The spare Deployment's new
     placeholder is unschedulable while no host is free, and runs again once the job ends."""
-    docs = _render_spares(e2e, V6E_TWO_SLICES["accelerator"], V6E_TWO_SLICES["topology"], hosts=1)
+    docs = _render_spares(e2e, V4_TWO_SLICES["accelerator"], V4_TWO_SLICES["topology"], hosts=1)
     try:
         for doc in docs:
             utils.create_from_dict(e2e.core.api_client, doc, namespace=e2e.namespace)
@@ -148,7 +148,7 @@ def test_a_lost_node_is_replaced_on_a_hot_spare_restored_from_the_other_slice_an
             assert time.monotonic() < deadline, [(p.metadata.name, p.status.phase) for p in _spare_pods(e2e)]
             time.sleep(0.5)
         [spare] = held
-        _apply_in_place(e2e, "inplacenode", GCS_INTERVAL, V6E_TWO_SLICES)
+        _apply_in_place(e2e, "inplacenode", GCS_INTERVAL, V4_TWO_SLICES)
         _wait_local_ahead_of_gcs(e2e, "inplacenode")
         before = live_pod_uids(e2e.core, e2e.namespace, "inplacenode-a0")
         assert len(before) == 2, before
