@@ -130,6 +130,29 @@ TIMELINE_STAGES = {  # status.lastFailure.timeline (failed: the pod's finish tim
 }
 
 
+def source_pythonpath(source: Path | None) -> str | None:
+    """A revision's checkout as the first entries of PYTHONPATH (None: this working tree)."""
+    if source is None:
+        return None
+    return ":".join(str(source / d) for d in SOURCES if (source / d).is_dir())
+
+
+def install_release(bench: Bench, namespace: str, key: str, source: Path | None, *values: str) -> None:
+    """An operator release watching only `namespace`: `source`'s chart with its sources first on the
+    operator's PYTHONPATH (None: this tree's), in its own namespace, named after `key`."""
+    bench.ensure_namespace(namespace)
+    helm_install_operator(
+        bench.cluster.kubeconfig,
+        f"watchNamespaces={{{namespace}}}",
+        *values,
+        release=OPERATOR_RELEASE if namespace == NAMESPACE else f"{OPERATOR_RELEASE}-{key}",
+        chart=source / "charts" / "tpujob" if source else CHART,
+        namespace=f"{OPERATOR_NAMESPACE}-{key}",
+        env={"PYTHONPATH": path} if (path := source_pythonpath(source)) else None,
+        skip_crds=True,
+    )
+
+
 @dataclass(frozen=True)
 class Side:
     """One compared setting: whose operator and trainer (a revision, or this working tree) and the
@@ -144,9 +167,7 @@ class Side:
 
     @property
     def pythonpath(self) -> str | None:
-        if self.source is None:
-            return None
-        return ":".join(str(self.source / d) for d in SOURCES if (self.source / d).is_dir())
+        return source_pythonpath(self.source)
 
     @property
     def has_timeline(self) -> bool:
@@ -540,7 +561,7 @@ class Rung:
 
     @property
     def pythonpath(self) -> str | None:
-        return ":".join(str(self.source / d) for d in SOURCES if (self.source / d).is_dir()) if self.source else None
+        return source_pythonpath(self.source)
 
 
 RUNGS = {
@@ -851,18 +872,8 @@ def _bench_rungs(
             helm_install_operator(cluster.kubeconfig, *spares)
         else:  # one release per namespace, each watching only its own rungs' jobs
             for rung in {r.namespace: r for r in rungs}.values():
-                bench.ensure_namespace(rung.namespace)
                 key = "base" if rung.source else "current"
-                helm_install_operator(
-                    cluster.kubeconfig,
-                    f"watchNamespaces={{{rung.namespace}}}",
-                    *([] if rung.source else spares),
-                    release=f"{OPERATOR_RELEASE}-{key}" if rung.source else OPERATOR_RELEASE,
-                    chart=rung.source / "charts" / "tpujob" if rung.source else CHART,
-                    namespace=f"{OPERATOR_NAMESPACE}-{key}",
-                    env={"PYTHONPATH": rung.pythonpath} if rung.pythonpath else None,
-                    skip_crds=True,
-                )
+                install_release(bench, rung.namespace, key, rung.source, *([] if rung.source else spares))
         cluster_seconds = round(time.monotonic() - t0, 1)
         runs = []
         for r, rung in rung_plan(rungs, rounds):
@@ -1057,18 +1068,7 @@ def _bench(
             helm_install_operator(cluster.kubeconfig)  # one operator, the chart as a user installs it
         else:  # one release per namespace, each watching only its own side's jobs
             for side in {s.namespace: s for s in sides}.values():
-                bench.ensure_namespace(side.namespace)
-                # A side's own chart as a release watching only its side's namespace, its sources first on
-                # the operator's PYTHONPATH.
-                helm_install_operator(
-                    cluster.kubeconfig,
-                    f"watchNamespaces={{{side.namespace}}}",
-                    release=OPERATOR_RELEASE if side.namespace == NAMESPACE else f"{OPERATOR_RELEASE}-{side.key}",
-                    chart=side.source / "charts" / "tpujob" if side.source else CHART,
-                    namespace=f"{OPERATOR_NAMESPACE}-{side.key}",
-                    env={"PYTHONPATH": side.pythonpath} if side.pythonpath else None,
-                    skip_crds=True,
-                )
+                install_release(bench, side.namespace, side.key, side.source)
         cluster_seconds = round(time.monotonic() - t0, 1)
         runs = []
         for r, policy, side in plan(sides, rounds):
