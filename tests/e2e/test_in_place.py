@@ -7,7 +7,6 @@ import contextlib
 import os
 import signal
 import subprocess
-import time
 from typing import Any
 
 import yaml
@@ -143,11 +142,12 @@ def test_a_lost_node_is_replaced_on_a_hot_spare_restored_from_the_other_slice_an
     try:
         for doc in docs:
             utils.create_from_dict(e2e.core.api_client, doc, namespace=e2e.namespace)
-        deadline = time.monotonic() + 120
-        while not (held := [p for p in _spare_pods(e2e) if p.status.phase == "Running" and p.spec.node_name]):
-            assert time.monotonic() < deadline, [(p.metadata.name, p.status.phase) for p in _spare_pods(e2e)]
-            time.sleep(0.5)
-        [spare] = held
+
+        def holding() -> list[Any]:
+            return [p for p in _spare_pods(e2e) if p.status.phase == "Running" and p.spec.node_name]
+
+        e2e.until(lambda: bool(holding()), 120, "the spare placeholder Running on a host")
+        [spare] = holding()
         _apply_in_place(e2e, "inplacenode", GCS_INTERVAL, V4_TWO_SLICES)
         _wait_local_ahead_of_gcs(e2e, "inplacenode")
         before = live_pod_uids(e2e.core, e2e.namespace, "inplacenode-a0")
