@@ -63,15 +63,26 @@ class Cluster:
         return next((js for js in self.jobsets() if js["metadata"]["name"] == name), None)
 
     def fail_slice(self, jobset: Any, slice_index: int, exit_code: int) -> None:
-        """What kubelet + the Job and JobSet controllers would report when a worker of one slice dies."""
+        """What kubelet + the Job and JobSet controllers would report when a worker of one slice dies.
+
+        An InPlace job's operator may act on the failed pod alone and delete the JobSet before its
+        controller reports: then there is no JobSet left to report on, as with the real controller.
+        """
         self.fail_pod(jobset, slice_index, exit_code)
         meta = jobset["metadata"]
+        try:
+            self._report_failed(meta["name"], slice_index)
+        except client.exceptions.ApiException as e:
+            if e.status != 404:
+                raise
+
+    def _report_failed(self, name: str, slice_index: int) -> None:
         self.custom.patch_namespaced_custom_object_status(
             JOBSET_GROUP,
             JOBSET_VERSION,
             self.namespace,
             JOBSET_PLURAL,
-            meta["name"],
+            name,
             {
                 "status": {
                     "conditions": [
@@ -80,7 +91,7 @@ class Cluster:
                             "status": "True",
                             "reason": "FailedJobs",
                             "lastTransitionTime": _now(),
-                            "message": f"jobset failed: job {meta['name']}-slice-{slice_index} failed",
+                            "message": f"jobset failed: job {name}-slice-{slice_index} failed",
                         }
                     ]
                 },
