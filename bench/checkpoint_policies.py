@@ -31,6 +31,10 @@ budget (default: spec.checkpoint.local.overheadBudgetPercent's; @0: every <steps
 cores are not all busy training pays; on 2 shared CPU cores the background write also slows the steps).
 `--rounds N` repeats the policies, every other round in reverse order, and pairs each run with the
 `none` and GCS-alone runs of its own round; `local_tier` has the medians over the rounds.
+A `+local:` policy plus `+buddy` also sends each committed local step to a buddy and keeps a ward's,
+as every host of a one-slice job of several hosts does (tpujob.buddy): both ends run here over
+loopback TCP, so this host pays for sending its copy and for receiving its ward's. Its
+`buddy_overhead_points` compare it with the same `+local:` policy without buddy copies.
 
     python bench/checkpoint_policies.py [--model tiny --steps 3000 --sweep 10,20,50,100,200,500,1000 --mtbf 120]
 """
@@ -121,11 +125,12 @@ def _run_policy(args: argparse.Namespace, spec: str, root: Path, bucket: str, ro
     ).train  # fmt: skip
     trainer = Trainer(cfg, make_mesh(1))
     spec, _, local_every = spec.partition("+local:")
+    local_every, with_buddy, _ = local_every.partition("+buddy")
     ckpt = _checkpoint_config(spec, args.mtbf)
     # A directory per round: a manager does not save a step at or below one its directory holds.
-    local_name = f"-local{local_every.replace('@', '-b')}" if local_every else ""
+    local_name = f"-local{local_every.replace('@', '-b')}{'-buddy' if with_buddy else ''}" if local_every else ""
     name = spec.replace(":", "-").replace(".", "_") + local_name + f"-r{round_}"
-    local = None
+    local, stand_in, buddy_sent = None, None, None
     if local_every:
         from tpujob.config import LocalTierConfig
         from tpujob.local_tier import LocalTier
@@ -134,6 +139,8 @@ def _run_policy(args: argparse.Namespace, spec: str, root: Path, bucket: str, ro
         every, _, budget = local_every.partition("@")
         budget_percent = float(budget) if budget else contract.DEFAULT_LOCAL_OVERHEAD_BUDGET_PERCENT
         local = LocalTier(LocalTierConfig(str(local_dir), int(every), budget_percent), f"{bucket}/{name}", "bench", 1)
+        if with_buddy:
+            stand_in = _start_buddy_pair(local, local_dir)
     local_blocked_s, local_saves = 0.0, 0
     mngr, cadence = None, None
     meter = SaveCostMeter()
@@ -190,11 +197,16 @@ def _run_policy(args: argparse.Namespace, spec: str, root: Path, bucket: str, ro
         mngr.wait_until_finished()
         mngr.close()
     if local:
+        buddy_sent = list(local.buddies.sender.sent) if local.buddies else None
         local.close()
+    if stand_in:
+        stand_in.close()
     result = _summarise(spec, step_times, loop_s, starts, root / BUCKET / name / contract.CHECKPOINTS_DIR)
     if local:
-        result |= {"policy": f"{spec}+local:{local_every}", "local_saves": local_saves,
+        result |= {"policy": f"{spec}+local:{local_every}{with_buddy}", "local_saves": local_saves,
                    "local_blocked_s": local_blocked_s, "local_interval_steps": local.interval_steps}  # fmt: skip
+        if buddy_sent is not None:
+            result["buddy_sent"] = buddy_sent
     if mngr:
         result |= {"overhead": meter.overhead, "save_cost_s": meter.cost_s, "extra_s": meter.extra_s}
     if cadence:
@@ -306,6 +318,11 @@ def main() -> None:
             if gcs_alone:
                 extra = r["seconds_per_step"] - gcs_alone["seconds_per_step"]
                 r["local_overhead_points"] = 100 * extra / base["seconds_per_step"]
+        local_alone = next((g for g in same_round if g["policy"] == r["policy"].removesuffix("+buddy")), None)
+        if base and r["policy"].endswith("+buddy") and local_alone:
+            extra = r["seconds_per_step"] - local_alone["seconds_per_step"]
+            r["buddy_overhead_points"] = 100 * extra / base["seconds_per_step"]
+            r["buddy_copies_sent"] = len(r.pop("buddy_sent"))
     print(
         json.dumps(
             {
@@ -346,6 +363,7 @@ def _local_tier(results: list[dict[str, Any]]) -> dict[str, Any]:
         runs = [r for r in results if r["policy"] == policy]
         overhead = [r["local_overhead_points"] for r in runs if "local_overhead_points" in r]
         blocked = [r["local_blocked_points"] for r in runs if "local_blocked_points" in r]
+        buddies = [r["buddy_overhead_points"] for r in runs if "buddy_overhead_points" in r]
         out[policy] = {
             "overhead_points": overhead,
             "overhead_points_median": statistics.median(overhead) if overhead else None,
@@ -354,7 +372,43 @@ def _local_tier(results: list[dict[str, Any]]) -> dict[str, Any]:
             "blocked_ms_per_save": [1000 * r["local_blocked_s"] / r["local_saves"] for r in runs if r["local_saves"]],
             "interval_steps": [r["local_interval_steps"] for r in runs],
         }
+        if buddies:
+            out[policy] |= {
+                "buddy_overhead_points": buddies,
+                "buddy_overhead_points_median": statistics.median(buddies),
+                "buddy_copies_sent": [r.get("buddy_copies_sent") for r in runs],
+            }
     return out
+
+
+class _Store:
+    """The distributed runtime's key-value store, for one process playing both ends."""
+
+    def __init__(self) -> None:
+        self.values: dict[str, str] = {}
+
+    def set(self, key: str, value: str) -> None:
+        self.values[key] = value
+
+    def get(self, key: str) -> str:
+        return self.values[key]
+
+
+def _start_buddy_pair(local: Any, local_dir: Path) -> Any:
+    """This process as process 0 of a one-slice job of two hosts (it keeps process 1's steps, as a
+    real host does, and sends its own), and a keeper standing in for process 1, in this process too:
+    the copy it sends is the one it receives, so the host's load is both ends of one copy."""
+    from tpujob import buddy, local_tier
+
+    store = _Store()
+    kept = local_tier.prepare(str(local_dir / buddy.KEPT_DIR), local._identity(1))
+    local.buddies = buddy.Buddies(
+        kept, Path(local.manager.directory), store, 0, (2, 1), local._identity, local_tier.KEEP
+    )
+    stand_in = buddy.Keeper(local_dir / "stand-in", store.get(buddy.TOKEN_KEY), 0, local._identity(0),
+                            local_tier.KEEP, "127.0.0.1")  # fmt: skip
+    store.set(buddy.ADDRESS_KEY.format(1), stand_in.address)
+    return stand_in
 
 
 def _young_daly(results: list[dict[str, Any]], mtbf: float) -> float | None:

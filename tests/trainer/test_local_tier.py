@@ -35,13 +35,14 @@ ARGS = ["--steps", str(M), "--batch-size", "16", "--seq-len", "64"]
 GCS_EVERY_10 = {"TPUJOB_CHECKPOINT_POLICY": "interval", "TPUJOB_CHECKPOINT_INTERVAL_STEPS": "10"}
 
 
-def _local_env(directory: Path, every: int = 2, budget: str = "0") -> dict[str, str]:
+def _local_env(directory: Path, every: int = 2, budget: str = "0", buddies: bool = True) -> dict[str, str]:
     """The local tier every `every` steps; no overhead budget unless given (these steps are so short
     that a budget would stretch the interval, and these tests need the local tier ahead of GCS)."""
     return {
         contract.Env.LOCAL_CHECKPOINT_DIR: str(directory),
         contract.Env.LOCAL_CHECKPOINT_INTERVAL_STEPS: str(every),
         contract.Env.LOCAL_CHECKPOINT_OVERHEAD_BUDGET_PERCENT: budget,
+        contract.Env.LOCAL_CHECKPOINT_BUDDY_COPIES: str(buddies).lower(),
     }
 
 
@@ -172,16 +173,17 @@ def test_two_processes_restore_the_newest_local_step_both_hold_never_a_mix(
     reference, job = _reference_and_interrupted(gcs, trainer_env, tmp_path, run_name)
     dirs = [tmp_path / "local-0", tmp_path / "local-1"]
     try:
-        # One slice over both processes: each process's local directory holds only its own shards.
-        # The uninterrupted run beside the first attempt: its start-up overlaps (the test's time).
+        # One slice over both processes: each process's local directory holds only its own shards (no
+        # buddy copies here: test_buddy.py has them). The uninterrupted run beside the first attempt: its
+        # start-up overlaps (the test's time).
         uninterrupted = reference.start(ARGS, GCS_EVERY_10, processes=2, slices=1)
-        gcs_step, held = _kill_ahead_of_gcs(job, _start_two(job, dirs), dirs)
+        gcs_step, held = _kill_ahead_of_gcs(job, _start_two(job, dirs, buddies=False), dirs)
         assert uninterrupted.wait(180) == [0, 0]
         # Process 1 lost the newest step both held (the node was replaced between two saves, say).
         older, newest = sorted(set(held[0]) & set(held[1]))[-2:]
         shutil.rmtree(dirs[1] / "checkpoints" / str(newest))
         assert older > gcs_step
-        resumed = _start_two(job, dirs)
+        resumed = _start_two(job, dirs, buddies=False)
         assert resumed.wait(180) == [0, 0], resumed.output(0) + resumed.output(1)
         assert _restored(job) == ("local", older)
         for index in (0, 1):
@@ -229,9 +231,11 @@ def test_a_process_whose_memory_volume_is_new_receives_the_newest_local_step_fro
         job.kill_all()
 
 
-def _start_two(job: Job, dirs: list[Path], slices: int = 1) -> Attempt:
+def _start_two(job: Job, dirs: list[Path], slices: int = 1, buddies: bool = True) -> Attempt:
     """Two processes, each with its own local directory (its own node's emptyDir)."""
-    return job.start(ARGS, GCS_EVERY_10, processes=2, slices=slices, process_env=lambda i: _local_env(dirs[i]))
+    return job.start(
+        ARGS, GCS_EVERY_10, processes=2, slices=slices, process_env=lambda i: _local_env(dirs[i], buddies=buddies)
+    )
 
 
 @pytest.mark.timeout(240)
@@ -353,9 +357,13 @@ def test_the_local_tier_is_off_without_its_directory_and_its_interval_is_checked
     assert on.local_tier.overhead_budget_percent == contract.DEFAULT_LOCAL_OVERHEAD_BUDGET_PERCENT == 2.0
     off = parse_config([], env | {contract.Env.LOCAL_CHECKPOINT_DIR: "/local", budget: "0"}).local_tier
     assert off is not None and off.overhead_budget_percent == 0
+    buddies = contract.Env.LOCAL_CHECKPOINT_BUDDY_COPIES
+    assert on.local_tier.buddy_copies is True
+    alone = parse_config([], env | {contract.Env.LOCAL_CHECKPOINT_DIR: "/local", buddies: "false"}).local_tier
+    assert alone is not None and alone.buddy_copies is False
     for bad in (
         {contract.Env.LOCAL_CHECKPOINT_INTERVAL_STEPS: "0"}, {contract.Env.LOCAL_CHECKPOINT_DIR: "gs://b/x"},
-        {budget: "101"}, {budget: "-1"},
+        {budget: "101"}, {budget: "-1"}, {buddies: "sometimes"},
     ):  # fmt: skip
         with pytest.raises(ConfigError):
             parse_config([], env | {contract.Env.LOCAL_CHECKPOINT_DIR: "/local"} | bad)

@@ -232,6 +232,12 @@ def test_the_local_tier_is_a_memory_backed_volume_the_trainer_is_pointed_at():
     assert env["TPUJOB_LOCAL_CHECKPOINT_INTERVAL_STEPS"] == str(contract.DEFAULT_LOCAL_INTERVAL_STEPS)
     budget = float(env[contract.Env.LOCAL_CHECKPOINT_OVERHEAD_BUDGET_PERCENT])
     assert budget == contract.DEFAULT_LOCAL_OVERHEAD_BUDGET_PERCENT
+    assert env[contract.Env.LOCAL_CHECKPOINT_BUDDY_COPIES] == "true"
+    off = {"directory": "gs://acme-ckpt/runs", "local": {"sizeLimit": "64Gi", "buddyCopies": False}}
+    off_job = build_jobset(training_job(checkpoint=off), attempt=0, resume_step=None)["spec"]["replicatedJobs"][0]
+    off_pod = off_job["template"]["spec"]["template"]["spec"]
+    off_env = {e["name"]: e.get("value") for e in off_pod["containers"][0]["env"]}
+    assert off_env[contract.Env.LOCAL_CHECKPOINT_BUDDY_COPIES] == "false"  # what the trainer's config reads
     plain = build_jobset(training_job(), attempt=0, resume_step=None)
     plain_pod = plain["spec"]["replicatedJobs"][0]["template"]["spec"]["template"]["spec"]
     assert "volumes" not in plain_pod and "TPUJOB_LOCAL_CHECKPOINT_DIR" not in str(plain_pod)

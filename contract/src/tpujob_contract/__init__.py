@@ -66,6 +66,7 @@ class Env:
     LOCAL_CHECKPOINT_DIR: Final = "TPUJOB_LOCAL_CHECKPOINT_DIR"
     LOCAL_CHECKPOINT_INTERVAL_STEPS: Final = "TPUJOB_LOCAL_CHECKPOINT_INTERVAL_STEPS"
     LOCAL_CHECKPOINT_OVERHEAD_BUDGET_PERCENT: Final = "TPUJOB_LOCAL_CHECKPOINT_OVERHEAD_BUDGET_PERCENT"
+    LOCAL_CHECKPOINT_BUDDY_COPIES: Final = "TPUJOB_LOCAL_CHECKPOINT_BUDDY_COPIES"
     # InPlace jobs: the process's own compilation cache (an emptyDir's mountPath), read before the
     # shared one in the run directory; it outlives a restart in place, so the restarted process compiles nothing
     LOCAL_COMPILATION_CACHE_DIR: Final = "TPUJOB_LOCAL_COMPILATION_CACHE_DIR"
@@ -88,6 +89,7 @@ COMPILATION_CACHE_ENV: Final = "TPUJOB_COMPILATION_CACHE_DIR"
 # operator mounts its memory-backed emptyDir (Env.LOCAL_CHECKPOINT_DIR points there).
 DEFAULT_LOCAL_INTERVAL_STEPS: Final = 10  # spec.checkpoint.local.intervalSteps' default
 DEFAULT_LOCAL_OVERHEAD_BUDGET_PERCENT: Final = 2.0  # spec.checkpoint.local.overheadBudgetPercent's default
+DEFAULT_LOCAL_BUDDY_COPIES: Final = True  # spec.checkpoint.local.buddyCopies's default
 LOCAL_CHECKPOINT_MOUNT: Final = "/tpujob/local-checkpoints"  # where the operator mounts the emptyDir
 LOCAL_COMPILATION_CACHE_MOUNT: Final = "/tpujob/compile-cache"  # InPlace jobs: Env.LOCAL_COMPILATION_CACHE_DIR
 

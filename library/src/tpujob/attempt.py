@@ -25,7 +25,7 @@ import tpujob_contract as contract
 from jax.experimental import multihost_utils
 from tpujob_contract import ExitCode
 
-from tpujob import checkpointing, failures, local_tier, peer, progress
+from tpujob import buddy, checkpointing, failures, local_tier, peer, progress
 from tpujob.checkpointing import (
     CheckpointIncompatible,
     CheckpointManager,
@@ -150,11 +150,31 @@ def open_local(cfg: RunConfig) -> LocalTier | None:
     except Exception as err:
         log.warning("local tier: %s unusable (%s)", cfg.local_tier.directory, failures.short_error(err))
     if checkpointing.agree_all(local is not None):
+        assert local is not None
+        start_buddies(local)
         return local
     log.warning("local tier: off for this attempt (not usable on every process); GCS alone")
     if local:
         close_local(local)
     return None
+
+
+def start_buddies(local: LocalTier) -> None:
+    """Buddy copies on every process or on none (buddy.py): one that cannot start costs the job its
+    buddy copies, not its local tier."""
+    if not local.wants_buddies():  # the same answer on every process
+        return
+    started = False
+    try:
+        if (store := buddy.distributed_store()) is None:
+            raise RuntimeError("no JAX distributed runtime")
+        local.start_buddies(store)
+        started = True
+    except Exception as err:
+        log.warning("local tier: buddy copies could not start here (%s)", failures.short_error(err))
+    if not checkpointing.agree_all(started):
+        log.warning("local tier: buddy copies off for this attempt (not started on every process)")
+        local.stop_buddies()
 
 
 def wait_for_storage(cfg: RunConfig) -> None:
@@ -258,7 +278,13 @@ def restore_local(model: StateModel[S], local: LocalTier, gcs_step: int | None, 
     (restore from GCS). Every process takes the same plans, in the same order."""
     topology = jax.process_count(), local.num_slices
     slices = [peer.slice_of_process(p, *topology) for p in range(jax.process_count())]
-    plans = peer.local_plans(local_tier.gather_steps(local.committed_steps()), slices, gcs_step)
+    own = local_tier.gather_steps(local.committed_steps())
+    plans = peer.local_plans(own, slices, gcs_step)
+    if local.buddies is not None:  # on every process, or on none (start_buddies)
+        kept = local_tier.gather_steps(local.kept_steps())
+        found = buddy.buddy_plan(own, kept, local.buddies.buddies(), gcs_step)
+        if found and (not plans or found.step > plans[0].step):
+            plans.insert(0, peer.LocalPlan(found.step, None, found.fetchers))
     if not plans:
         log.info("resume: no slice's local tiers hold a step at or after GCS's %s", gcs_step)
         return None
@@ -273,6 +299,8 @@ def _restore_plan(
     model: StateModel[S], local: LocalTier, plan: peer.LocalPlan, slices: list[int], status: AttemptProgress
 ) -> S | None:
     step, me = plan.step, jax.process_index()
+    if plan.fetchers and not _fetch_from_buddies(local, plan):
+        return None
     if plan.source_slice is None:
         log.info("resume: restoring step %d from the local tier %s", step, local.manager.directory)
         tables = None
@@ -309,8 +337,26 @@ def _restore_plan(
             return None
     assert state is not None
     status.update(restore_finished_at=contract.now_rfc3339())
-    status.restored(step, (), contract.RESTORED_FROM_LOCAL if tables is None else contract.RESTORED_FROM_PEER)
+    peered = tables is not None or plan.fetchers
+    status.restored(step, (), contract.RESTORED_FROM_PEER if peered else contract.RESTORED_FROM_LOCAL)
     return state
+
+
+def _fetch_from_buddies(local: LocalTier, plan: peer.LocalPlan) -> bool:
+    """The plan's fetchers receive their own copies of its step from their buddies, into their own
+    tiers; True when every process has the step in its own tier (a collective)."""
+    me, fetched = jax.process_index(), True
+    log.info("resume: step %d: processes %s receive their copies from their buddies", plan.step, sorted(plan.fetchers))
+    if me in plan.fetchers:
+        try:
+            local.fetch_from_buddy(plan.step)
+        except Exception as err:
+            log.warning("resume: local step %d not received from the buddy (%s)", plan.step, failures.short_error(err))
+            fetched = False
+    if not checkpointing.agree_all(fetched):
+        log.warning("resume: local step %d not received by every process that lacks it", plan.step)
+        return False
+    return True
 
 
 def _holding(model: StateModel[S], state: S, step: int) -> S:

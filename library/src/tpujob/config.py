@@ -40,11 +40,13 @@ class CheckpointConfig:
 @dataclasses.dataclass(frozen=True)
 class LocalTierConfig:
     """The local checkpoint tier (local_tier.py): where (an emptyDir's mountPath), how often at most,
-    and the share of step time its saves may block (the interval is stretched to stay within it)."""
+    the share of step time its saves may block (the interval is stretched to stay within it), and
+    whether the hosts of a slice keep each other's steps (buddy.py)."""
 
     directory: str
     interval_steps: int
     overhead_budget_percent: float = contract.DEFAULT_LOCAL_OVERHEAD_BUDGET_PERCENT
+    buddy_copies: bool = contract.DEFAULT_LOCAL_BUDDY_COPIES
 
 
 def local_tier_config(env: Mapping[str, str]) -> LocalTierConfig | None:
@@ -58,7 +60,8 @@ def local_tier_config(env: Mapping[str, str]) -> LocalTierConfig | None:
     budget_env = contract.Env.LOCAL_CHECKPOINT_OVERHEAD_BUDGET_PERCENT
     budget = _float(env, budget_env, contract.DEFAULT_LOCAL_OVERHEAD_BUDGET_PERCENT)
     _require(0 <= budget <= 100, f"{budget_env}={budget:g} must be in [0, 100]")
-    return LocalTierConfig(directory, interval, budget)
+    buddy_copies = _bool(env, contract.Env.LOCAL_CHECKPOINT_BUDDY_COPIES, contract.DEFAULT_LOCAL_BUDDY_COPIES)
+    return LocalTierConfig(directory, interval, budget, buddy_copies)
 
 
 # JAX's own default wait for every peer at start-up (jax.distributed.initialize): what a process

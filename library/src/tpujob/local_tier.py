@@ -18,6 +18,7 @@ layout; otherwise they are removed before anything is saved there (a cache: GCS 
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import math
@@ -35,7 +36,7 @@ from jax.experimental import multihost_utils
 from orbax.checkpoint import checkpoint_managers as cm
 from orbax.checkpoint import type_handlers
 
-from tpujob import checkpointing
+from tpujob import buddy, checkpointing
 from tpujob.cadence import HEADROOM, SaveCostMeter
 from tpujob.config import LocalTierConfig
 
@@ -73,11 +74,13 @@ def debt_steps(debt_s: float, step_s: float) -> int:
     return min(math.ceil(debt_s / step_s), _MAX_INTERVAL)
 
 
-def identity(run_dir: str, job_uid: str, num_slices: int) -> dict[str, Any]:
-    """What a local step must have been written by to be restored here: the same run (the GCS tier's
-    own identity), the same TrainingJob incarnation, and the same process layout and mesh (each
-    process holds only its own shards; an elastic attempt on another slice count has another mesh)."""
-    return {"run_dir": run_dir, "uid": job_uid, "process_index": jax.process_index(),
+def identity(run_dir: str, job_uid: str, num_slices: int, process: int | None = None) -> dict[str, Any]:
+    """What a local step of `process` (this one by default) must have been written by to be restored
+    here: the same run (the GCS tier's own identity), the same TrainingJob incarnation, and the same
+    process layout and mesh (each process holds only its own shards; an elastic attempt on another
+    slice count has another mesh)."""
+    return {"run_dir": run_dir, "uid": job_uid,
+            "process_index": jax.process_index() if process is None else process,
             "process_count": jax.process_count(), "device_count": jax.device_count(),
             "num_slices": num_slices}  # fmt: skip
 
@@ -105,16 +108,19 @@ def volume_bytes(directory: str) -> int:
     return found.f_blocks * found.f_frsize
 
 
-def room_problem(state_bytes: int, volume: int) -> str | None:
-    """Why a volume of `volume` bytes cannot hold the local tier's COPIES of a `state_bytes` state; None if it can."""
-    needed = COPIES * state_bytes
+def room_problem(state_bytes: int, volume: int, buddy_copies: bool = False) -> str | None:
+    """Why a volume of `volume` bytes cannot hold the local tier's COPIES of a `state_bytes` state (and
+    as many of its ward's, as large, with `buddy_copies`); None if it can."""
+    copies = 2 * COPIES if buddy_copies else COPIES
+    needed = copies * state_bytes
     if needed <= volume:
         return None
+    wards = f" and {COPIES} of its ward's" if buddy_copies else ""
+    off = "buddy copies are off, local saves go on" if buddy_copies else "local saves are off, GCS saves go on"
     return (
-        f"the local tier holds up to {COPIES} copies of this host's {_mebibytes(state_bytes)} state "
+        f"the local tier holds up to {COPIES} copies of this host's {_mebibytes(state_bytes)} state{wards} "
         f"({_mebibytes(needed)}) but its volume has {volume // 2**20}Mi: raise "
-        f"spec.checkpoint.local.sizeLimit to at least {_mebibytes(needed)} (and the node's memory with it); "
-        "local saves are off, GCS saves go on"
+        f"spec.checkpoint.local.sizeLimit to at least {_mebibytes(needed)} (and the node's memory with it); {off}"
     )
 
 
@@ -183,7 +189,8 @@ class LocalTier:
         if _quiet_orbax not in absl_log.filters:
             absl_log.addFilter(_quiet_orbax)
         processes = set(range(jax.process_count()))
-        steps = prepare(cfg.directory, identity(run_dir, job_uid, num_slices))
+        self._identity = functools.partial(identity, run_dir, job_uid, num_slices)
+        steps = prepare(cfg.directory, self._identity())
         # Removes what a killed attempt left half-written (not committed: never listed anyway).
         for tmp in steps.glob("*.orbax-checkpoint-tmp*"):
             shutil.rmtree(tmp, ignore_errors=True)
@@ -212,9 +219,42 @@ class LocalTier:
         self.hold_until = 0
         self._due_saves = 0
         self.off = False  # its volume is too small for its copies (Undersized): GCS alone
+        self.buddies: buddy.Buddies | None = None  # start_buddies
         self.meter = SaveCostMeter(min_idle_steps=MIN_IDLE_STEPS)
         budget = f"{cfg.overhead_budget_percent:g}% of step time" if cfg.overhead_budget_percent else "no budget"
         log.info("local tier: %s, every %d steps at most (%s)", steps, cfg.interval_steps, budget)
+
+    def wants_buddies(self) -> bool:
+        """Whether this process's steps should be kept by a buddy: on, and no other slice holds its shards
+        (one slice of several hosts); the same answer on every process."""
+        topology = jax.process_count(), self.num_slices
+        return (
+            self.cfg.buddy_copies
+            and self.num_slices == 1
+            and buddy.buddy_of(jax.process_index(), *topology) is not None
+        )
+
+    def start_buddies(self, store: buddy.KeyValueStore) -> None:
+        """Keep the ward's steps and send this process's to its buddy (buddy.py); collective through the
+        key-value store (process 0 hands out the token)."""
+        root = Path(self.cfg.directory) / buddy.KEPT_DIR
+        ward = buddy.ward_of(jax.process_index(), jax.process_count(), self.num_slices)
+        kept = prepare(str(root), self._identity(ward))
+        self.buddies = buddy.Buddies(
+            kept, Path(self.manager.directory), store, jax.process_index(), (jax.process_count(), self.num_slices),
+            self._identity, KEEP,
+        )  # fmt: skip
+        log.info("local tier: buddy copies on: process %d keeps process %d's steps, process %d keeps ours",
+                 jax.process_index(), self.buddies.ward, self.buddies.buddy)  # fmt: skip
+
+    def stop_buddies(self) -> None:
+        if self.buddies:
+            self.buddies.close()
+            self.buddies = None
+
+    def kept_steps(self) -> list[int]:
+        """The ward's committed steps this process keeps (none without buddy copies)."""
+        return self.buddies.keeper.steps() if self.buddies else []
 
     def committed_steps(self) -> list[int]:
         self.manager.reload()
@@ -227,8 +267,10 @@ class LocalTier:
 
     def step(self, seconds: float) -> None:
         """One step took `seconds` of its own compute (not the loop's saves or reports), while measuring:
-        a step beside a local save in flight is charged its slowdown against the steps with none."""
-        self.meter.step(seconds, self.manager.is_saving_in_progress())
+        a step beside a local save in flight (or its buddy copy) is charged its slowdown against the steps
+        with none."""
+        copying = self.buddies is not None and self.buddies.sender.busy
+        self.meter.step(seconds, self.manager.is_saving_in_progress() or copying)
 
     def save(self, step: int, state: Any) -> bool:
         """Start an async save if the interval says so (blocking only for the copy off the devices,
@@ -238,10 +280,18 @@ class LocalTier:
         if self.off or not self._due(step):
             return False
         if self._due_saves == 0:
-            mine = room_problem(host_bytes(state), volume_bytes(self.cfg.directory))
+            state_bytes, volume = host_bytes(state), volume_bytes(self.cfg.directory)
+            mine = room_problem(state_bytes, volume)
             if not checkpointing.agree_all(mine is None):  # saves are collective: all save, or none
                 self.off = True
+                self.stop_buddies()
                 raise Undersized(mine or "the local tier of another process is too small for its state")
+            if self.buddies:
+                with_buddies = room_problem(state_bytes, volume, buddy_copies=True)
+                if not checkpointing.agree_all(with_buddies is None):
+                    log.warning("local tier: %s", with_buddies or "another process's volume cannot keep buddy copies"
+                                "; buddy copies are off, local saves go on")  # fmt: skip
+                    self.stop_buddies()
         self._due_saves += 1
         if self.cfg.overhead_budget_percent and self._due_saves in RECHOOSE_AT_SAVES:
             self._rechoose(step)
@@ -250,12 +300,17 @@ class LocalTier:
         if not self.manager.should_save(step):
             return False
         if not self.measuring:
-            return bool(self.manager.save(step, args=ocp.args.PyTreeSave(state)))
+            return self._saved(step, bool(self.manager.save(step, args=ocp.args.PyTreeSave(state))))
         jax.block_until_ready(state)  # type: ignore[no-untyped-call]  # steps still computing: training time
         started = time.monotonic()
         saved = bool(self.manager.save(step, args=ocp.args.PyTreeSave(state)))
         if saved:
             self.meter.saved(time.monotonic() - started)
+        return self._saved(step, saved)
+
+    def _saved(self, step: int, saved: bool) -> bool:
+        if saved and self.buddies:
+            self.buddies.sender.offer(step)  # sent once committed, in the background
         return saved
 
     def _due(self, step: int) -> bool:
@@ -288,6 +343,14 @@ class LocalTier:
         if removed:
             log.info("local tier: removed steps %s (training goes on from %s)", removed, step)
             self.manager.reload()
+        if self.buddies:  # a ward's newer steps are of the same abandoned trajectory
+            self.buddies.keeper.forget_after(step)
+
+    def fetch_from_buddy(self, step: int) -> None:
+        """This process's copy of `step`, from its buddy into its own tier (then restored as its own)."""
+        assert self.buddies
+        self.buddies.fetch(step)
+        self.manager.reload()
 
     def restore(self, step: int, abstract_state: Any) -> Any:
         restore_args = ocp.checkpoint_utils.construct_restore_args(abstract_state)
@@ -309,6 +372,7 @@ class LocalTier:
     def close(self) -> None:
         self.manager.wait_until_finished()
         self.manager.close()
+        self.stop_buddies()
 
 
 def gather_steps(mine: Sequence[int]) -> list[list[int]]:

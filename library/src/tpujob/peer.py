@@ -34,10 +34,12 @@ from jax.sharding import NamedSharding
 @dataclasses.dataclass(frozen=True)
 class LocalPlan:
     """A step to restore from the local tiers, and from where: `source_slice` None when every process
-    holds it in its own tier; else the slice whose processes all hold it and hand it to the others."""
+    holds it in its own tier (once the `fetchers` received their copies from their buddies, buddy.py);
+    else the slice whose processes all hold it and hand it to the others."""
 
     step: int
     source_slice: int | None
+    fetchers: frozenset[int] = frozenset()
 
 
 def slice_of_process(process: int, num_processes: int, num_slices: int) -> int:

@@ -483,14 +483,26 @@ class LocalCheckpointSpec(ApiModel):
     size_limit: Quantity = Field(
         description=(
             "sizeLimit of the memory-backed emptyDir (e.g. 64Gi): three copies of one host's checkpoint state "
-            "(the two newest local steps and the one being written); it counts against the node's memory. Too "
-            "small, the local tier does not save (condition LocalCheckpointTierSaving False) and GCS saves go on."
+            "(the two newest local steps and the one being written), six with buddyCopies on a one-slice job of "
+            "several hosts (each also keeps its buddy's); it counts against the node's memory. Too small, the "
+            "local tier does not save (condition LocalCheckpointTierSaving False) and GCS saves go on; too small "
+            "for the buddy copies alone, those are off."
         ),
         json_schema_extra={
             "x-kubernetes-validations": [
                 cel("isQuantity(self) && quantity(self).isGreaterThan(quantity('0'))", LOCAL_SIZE_MESSAGE)
             ]
         },
+    )
+
+    buddy_copies: bool = Field(
+        default=contract.DEFAULT_LOCAL_BUDDY_COPIES,
+        description=(
+            "On a job of one slice of several hosts, where no other slice holds a host's shards: each host also "
+            "keeps the next host's newest local steps (sent over the pod network after each local save), so a "
+            "host whose node was replaced restores from its buddy's memory instead of GCS. Takes as much room "
+            "again in sizeLimit."
+        ),
     )
 
     @field_validator("size_limit")

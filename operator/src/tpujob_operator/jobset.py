@@ -338,6 +338,7 @@ def _with_local_tier(local: LocalCheckpointSpec, container: dict[str, Any], pod_
         _env(contract.Env.LOCAL_CHECKPOINT_DIR, contract.LOCAL_CHECKPOINT_MOUNT),
         _env(contract.Env.LOCAL_CHECKPOINT_INTERVAL_STEPS, local.interval_steps),
         _env(contract.Env.LOCAL_CHECKPOINT_OVERHEAD_BUDGET_PERCENT, local.overhead_budget_percent),
+        _env(contract.Env.LOCAL_CHECKPOINT_BUDDY_COPIES, local.buddy_copies),
     ]
 
 
