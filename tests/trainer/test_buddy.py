@@ -112,6 +112,7 @@ def test_a_copy_cut_short_or_naming_a_path_outside_is_never_committed(keeper: bu
     answer = _raw_put(keeper.address, _request(4, files=[["../../escaped", 1]]), b"x")
     assert b"refusing the path" in answer
     assert keeper.steps() == [] and not (tmp_path / "escaped").exists()
+    assert list(keeper.directory.iterdir()) == []  # nothing half-received holds the volume
 
 
 @pytest.mark.timeout(300)

@@ -146,6 +146,16 @@ def _receive_files(sock: socket.socket, into: Path, files: Sequence[Sequence[Any
                 f.write(chunk)
 
 
+def _receive_whole(sock: socket.socket, into: Path, files: Sequence[Sequence[Any]]) -> None:
+    """All of `files` into `into`, or nothing left there: a copy cut short must not hold the volume."""
+    shutil.rmtree(into, ignore_errors=True)
+    try:
+        _receive_files(sock, into, files)
+    except BaseException:
+        shutil.rmtree(into, ignore_errors=True)
+        raise
+
+
 def _commit(received: Path, final: Path) -> None:
     if final.exists():
         shutil.rmtree(final)
@@ -222,8 +232,7 @@ class Keeper:
         step = self._check(request)
         if request.get("op") == "put":
             incoming = self.directory / f"{step}{TMP_SUFFIX}"
-            shutil.rmtree(incoming, ignore_errors=True)
-            _receive_files(sock, incoming, request.get("files") or [])
+            _receive_whole(sock, incoming, request.get("files") or [])
             with self._lock:
                 _commit(incoming, self.directory / str(step))
                 for old in self.steps()[: -self.keep]:
@@ -271,11 +280,10 @@ def put(address: str, request: dict[str, Any], step_dir: Path) -> None:
 def get(address: str, request: dict[str, Any], steps_dir: Path, step: int) -> Path:
     """Receive the keeper's copy of `step` into `steps_dir/<step>` (committed by a rename once whole)."""
     incoming = steps_dir / f"{step}{TMP_SUFFIX}"
-    shutil.rmtree(incoming, ignore_errors=True)
     with _connect(address) as sock:
         _send_message(sock, request | {"op": "get"})
         answer = _answer(sock)
-        _receive_files(sock, incoming, answer.get("files") or [])
+        _receive_whole(sock, incoming, answer.get("files") or [])
     final = steps_dir / str(step)
     _commit(incoming, final)
     return final
