@@ -144,6 +144,11 @@ def test_an_in_place_jobs_pods_may_annotate_only_their_own_pod_while_it_runs(
     operator = f"system:serviceaccount:{namespace}:{release}"
     for verb in ("create", "deletecollection"):
         assert _allowed(kube, operator, team, verb, "rbac.authorization.k8s.io", "rolebindings"), verb
+    # It deletes a slice's Job whose pods all went with their nodes (JobSet recreates it), and never
+    # makes or changes a Job itself.
+    assert _allowed(kube, operator, team, "delete", "batch", "jobs")
+    for verb in ("create", "update", "patch"):
+        assert not _allowed(kube, operator, team, verb, "batch", "jobs"), verb
 
     worker_labels = attempt["spec"]["replicatedJobs"][0]["template"]["spec"]["template"]["metadata"]["labels"]
     own, other = f"{unique_name}-worker-0", f"{unique_name}-worker-1"
