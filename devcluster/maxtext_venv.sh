@@ -3,11 +3,13 @@
 # version outside the repo. Prints the venv's python on stdout (last line).
 #
 # MaxText 0.2.5 declares every dependency under extras and none in its base. Its `tpu` extra is a
-# frozen development environment (linters, pytype, pytest, libtpu, NVIDIA tools, ...); the devcluster
+# whole development environment (linters, pytype, pytest, libtpu, NVIDIA tools, ...); the devcluster
 # trains on CPU, so this installs MaxText itself without dependencies and then the `tpu` extra's
 # requirements, read from the wheel's own metadata, minus the TPU runtime and the development tools
-# (MAXTEXT_DROP). The venv's folder is keyed by MaxText's version, the Python version and the drop
-# list; $TPUJOB_CACHE/maxtext/<version> links to the one built last (devcluster/images.yaml runs it).
+# (MAXTEXT_DROP). Those requirements are lower bounds only, so every version is pinned by
+# maxtext-constraints.txt: a release that reaches the registry later cannot change the venv. The venv's
+# folder is keyed by MaxText's version, the Python version, the drop list and the constraints;
+# $TPUJOB_CACHE/maxtext/<version> links to the one built last (devcluster/images.yaml runs it).
 set -euo pipefail
 
 MAXTEXT_VERSION="${MAXTEXT_VERSION:-0.2.5}"
@@ -19,7 +21,8 @@ execnet hypothesis identify importlab iniconfig isort libclang mccabe nodeenv pr
 pytest pytest-xdist pytype python-discovery scipy-stubs virtualenv"
 
 CACHE_ROOT="${TPUJOB_CACHE:-$HOME/.cache/tpujob}"
-DIGEST="$(echo "$MAXTEXT_DROP" | sha1sum | cut -c1-12)"
+CONSTRAINTS="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)/maxtext-constraints.txt"
+DIGEST="$( { echo "$MAXTEXT_DROP"; cat "$CONSTRAINTS"; } | sha1sum | cut -c1-12)"
 VENV="$CACHE_ROOT/maxtext/maxtext-${MAXTEXT_VERSION}-py${MAXTEXT_PYTHON_VERSION}-${DIGEST}"
 LINK="$CACHE_ROOT/maxtext/${MAXTEXT_VERSION}"
 log() { echo "[maxtext-venv] $*" >&2; }
@@ -50,7 +53,7 @@ for requirement in metadata.get_all("Requires-Dist") or []:
         print(spec.strip())
 PY
   "$VENV/bin/python" -m pip install -q --no-deps "$work"/maxtext-*.whl
-  "$VENV/bin/python" -m pip install -q -r "$work/requirements.txt"
+  "$VENV/bin/python" -m pip install -q -c "$CONSTRAINTS" -r "$work/requirements.txt"
   "$VENV/bin/python" -c 'import maxtext.trainers.pre_train.train' >/dev/null
 }
 cached_venv "$VENV" "$LINK" "${MAXTEXT_PYTHON_VERSION}" "${MAXTEXT_PYTHON:-}" install
