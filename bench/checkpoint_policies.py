@@ -130,7 +130,7 @@ def _run_policy(args: argparse.Namespace, spec: str, root: Path, bucket: str, ro
     # A directory per round: a manager does not save a step at or below one its directory holds.
     local_name = f"-local{local_every.replace('@', '-b')}{'-buddy' if with_buddy else ''}" if local_every else ""
     name = spec.replace(":", "-").replace(".", "_") + local_name + f"-r{round_}"
-    local, stand_in, buddy_sent = None, None, None
+    local, stand_in, buddy_copies = None, None, None
     if local_every:
         from tpujob.config import LocalTierConfig
         from tpujob.local_tier import LocalTier
@@ -197,7 +197,7 @@ def _run_policy(args: argparse.Namespace, spec: str, root: Path, bucket: str, ro
         mngr.wait_until_finished()
         mngr.close()
     if local:
-        buddy_sent = list(local.buddies.sender.sent) if local.buddies else None
+        buddy_copies = local.buddies.sender.copies_sent if local.buddies else None
         local.close()
     if stand_in:
         stand_in.close()
@@ -205,8 +205,8 @@ def _run_policy(args: argparse.Namespace, spec: str, root: Path, bucket: str, ro
     if local:
         result |= {"policy": f"{spec}+local:{local_every}{with_buddy}", "local_saves": local_saves,
                    "local_blocked_s": local_blocked_s, "local_interval_steps": local.interval_steps}  # fmt: skip
-        if buddy_sent is not None:
-            result["buddy_sent"] = buddy_sent
+        if buddy_copies is not None:
+            result["buddy_copies_sent"] = buddy_copies
     if mngr:
         result |= {"overhead": meter.overhead, "save_cost_s": meter.cost_s, "extra_s": meter.extra_s}
     if cadence:
@@ -322,7 +322,6 @@ def main() -> None:
         if base and r["policy"].endswith("+buddy") and local_alone:
             extra = r["seconds_per_step"] - local_alone["seconds_per_step"]
             r["buddy_overhead_points"] = 100 * extra / base["seconds_per_step"]
-            r["buddy_copies_sent"] = len(r.pop("buddy_sent"))
     print(
         json.dumps(
             {

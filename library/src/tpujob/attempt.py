@@ -337,7 +337,7 @@ def _restore_plan(
             return None
     assert state is not None
     status.update(restore_finished_at=contract.now_rfc3339())
-    peered = tables is not None or plan.fetchers
+    peered = tables is not None or bool(plan.fetchers)
     status.restored(step, (), contract.RESTORED_FROM_PEER if peered else contract.RESTORED_FROM_LOCAL)
     return state
 

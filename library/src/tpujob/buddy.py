@@ -27,6 +27,8 @@ from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path, PurePosixPath
 from typing import Any, Protocol
 
+from tpujob.peer import slice_of_process
+
 log = logging.getLogger("tpujob")
 
 KEPT_DIR = "buddy"  # beside the local tier's steps: the ward's steps this process keeps
@@ -40,26 +42,23 @@ KV_TIMEOUT_MS = 60_000
 SOCKET_TIMEOUT_S = 120.0  # a peer that stops sending or reading for this long is given up
 
 
-def _slice_members(process: int, num_processes: int, num_slices: int) -> list[int]:
-    per_slice = num_processes // num_slices
-    first = process // per_slice * per_slice
-    return list(range(first, first + per_slice))
+def _neighbour(process: int, num_processes: int, num_slices: int, offset: int) -> int | None:
+    """The process `offset` places from `process` in a ring over its slice's processes; None alone in it."""
+    mine = slice_of_process(process, num_processes, num_slices)
+    members = [p for p in range(num_processes) if slice_of_process(p, num_processes, num_slices) == mine]
+    if len(members) < 2:
+        return None
+    return members[(members.index(process) + offset) % len(members)]
 
 
 def buddy_of(process: int, num_processes: int, num_slices: int) -> int | None:
-    """The process that keeps `process`'s copies: the next one of its slice (a ring); None alone in it."""
-    members = _slice_members(process, num_processes, num_slices)
-    if len(members) < 2:
-        return None
-    return members[(members.index(process) + 1) % len(members)]
+    """The process that keeps `process`'s copies: the next one of its slice; None alone in it."""
+    return _neighbour(process, num_processes, num_slices, 1)
 
 
 def ward_of(process: int, num_processes: int, num_slices: int) -> int | None:
     """The process whose copies `process` keeps: the previous one of its slice; None alone in it."""
-    members = _slice_members(process, num_processes, num_slices)
-    if len(members) < 2:
-        return None
-    return members[(members.index(process) - 1) % len(members)]
+    return _neighbour(process, num_processes, num_slices, -1)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -299,7 +298,7 @@ class Sender:
         self._sending = False
         self._closed = False
         self._changed = threading.Condition()
-        self.sent: list[int] = []  # what the buddy committed, in order (for logs and tests)
+        self.copies_sent = 0  # copies the buddy committed
         self._thread = threading.Thread(target=self._run, name="tpujob-buddy-sender", daemon=True)
         self._thread.start()
 
@@ -328,7 +327,7 @@ class Sender:
         while (step := self._next()) is not None:
             try:
                 put(self._address(), self._request(step), self._steps_dir / str(step))
-                self.sent.append(step)
+                self.copies_sent += 1
             except Exception as err:  # the buddy is gone or refused: the next step is tried anew
                 log.warning("buddy copies: step %d not copied to the buddy (%s)", step, err)
             finally:
