@@ -173,6 +173,13 @@ class E2E:
     def run_dir(self, name: str) -> str:
         return f"gs://{BUCKET}/e2e/{self.namespace}/{name}"
 
+    def close(self) -> None:
+        """The test is done with its namespace: delete it, and its runs leave the emulator
+        (FakeGcsServer.forget: every listing walks the whole bucket)."""
+        self.core.delete_namespace(self.namespace)
+        assert self.cluster.gcs is not None
+        self.cluster.gcs.forget(BUCKET, f"e2e/{self.namespace}")
+
     def latest_committed(self, name: str) -> int | None:
         return checkpoints.latest_committed_step(self.gcs, self.run_dir(name))
 
@@ -339,7 +346,7 @@ def run_side_by_side(cluster: DevCluster, scenarios: Scenarios, label: str, budg
                 f"== {key}: {outcome}\n{trace}\nstatus: {final}\nevents:\n{events}\n{view.logs_tail(job, 25)}"
             )
         for view in views.values():
-            view.core.delete_namespace(view.namespace)
+            view.close()
     assert not failed, "\n".join(details)
 
 
@@ -347,4 +354,4 @@ def run_side_by_side(cluster: DevCluster, scenarios: Scenarios, label: str, budg
 def e2e(devcluster: DevCluster, unique_name: str) -> Iterator[E2E]:
     view = make_namespace(devcluster, unique_name)
     yield view
-    view.core.delete_namespace(unique_name)
+    view.close()

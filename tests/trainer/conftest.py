@@ -16,7 +16,7 @@ from tpujob_devcluster.fakegcs import FakeGcsServer, start_fake_gcs
 
 from tests.conftest import TEST_JAX_ENV
 from tests.trainer.faults import FaultProxy, RestartableGcs
-from tests.trainer.procs import BUCKET, Job
+from tests.trainer.procs import BUCKET, NAMESPACE, Job
 
 
 @pytest.fixture(scope="session")
@@ -48,6 +48,16 @@ def trainer_env(gcs: FakeGcsServer, tmp_path_factory: pytest.TempPathFactory) ->
         "TPUJOB_LOG_EVERY": "1",
         **TEST_JAX_ENV,
     }
+
+
+@pytest.fixture(autouse=True)
+def _forget_runs(request: pytest.FixtureRequest) -> Iterator[None]:
+    """A test's runs leave the session's emulator once it ends (FakeGcsServer.forget): its listings walk
+    the whole bucket, so runs left behind made every later test's saves and listings dearer."""
+    yield
+    if "gcs" in request.fixturenames:
+        server: FakeGcsServer = request.getfixturevalue("gcs")
+        server.forget(BUCKET, NAMESPACE)
 
 
 @pytest.fixture

@@ -13,6 +13,7 @@ from __future__ import annotations
 import ctypes
 import json
 import platform
+import shutil
 import signal
 import socket
 import subprocess
@@ -145,6 +146,17 @@ class FakeGcsServer:
     def delete_object(self, bucket: str, name: str) -> None:
         quoted = urllib.parse.quote(name, safe="")
         self._request("DELETE", f"/storage/v1/b/{bucket}/o/{quoted}")
+
+    def forget(self, bucket: str, folder: str) -> None:
+        """Remove every object under `folder` at once, from the server's disk (its filesystem backend reads
+        the disk on every request and keeps no index). Each listing walks the whole bucket (1.54), so a
+        test suite that leaves its runs behind makes every later listing dearer: 8,000 objects elsewhere
+        in the bucket cost a 600-step tiny run 3.6x the emulator's CPU."""
+        target = (self.root_dir / bucket / folder.strip("/")).resolve()
+        bucket_dir = (self.root_dir / bucket).resolve()
+        if not folder.strip("/") or not target.is_relative_to(bucket_dir):
+            raise ValueError(f"{folder!r} is not a folder of bucket {bucket!r}")
+        shutil.rmtree(target, ignore_errors=True)
 
     def running(self) -> bool:
         return self._process.poll() is None
