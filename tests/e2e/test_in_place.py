@@ -64,9 +64,10 @@ def test_a_crashed_trainer_restarts_in_place_from_the_local_tier(e2e):
     restarts = {p.metadata.name: p.status.container_statuses[0].restart_count for p in e2e.pods()}
     assert all(count >= 1 for count in restarts.values()), restarts  # every worker restarted, in place
     # Restored from node memory, ahead of GCS: at most the local save in flight and the one before it
-    # lost (GCS alone would have lost every step since its last save), and the recovery measured.
+    # lost (GCS alone would have lost every step since its last save), and the recovery measured. From
+    # its own tier, or the other slice's where the kill cut the victim's own local save short (peer).
     record = e2e.progress("inplace")
-    assert record is not None and record.restored_from == "local", record
+    assert record is not None and record.restored_from in ("local", "peer"), record
     assert record.restored_step is not None and record.restored_step > GCS_INTERVAL, record
     assert failure["resumeStep"] == record.restored_step and failure["lostSteps"] <= 2 * LOCAL_INTERVAL, failure
     assert failure["recoverySeconds"] is not None and failure["timeline"]["restored"] is not None

@@ -73,7 +73,9 @@ def _in_place(e2e: E2E) -> None:
     status = _killed_once_and_succeeded(e2e, "ownloop")
     assert (status["attempt"], status["inPlaceRestarts"], status["lastFailure"]["rung"]) == (0, 1, "InPlace")
     record = e2e.progress("ownloop")
-    assert record is not None and record.restored_from == "local", record  # every process held the step
+    # From memory, never the bucket: each process's own tier, or, where the kill cut the killed process's
+    # local save short while the other slice committed that step, the other slice's (a newer step: peer).
+    assert record is not None and record.restored_from in ("local", "peer"), record
 
 
 def _recreate(e2e: E2E) -> None:
