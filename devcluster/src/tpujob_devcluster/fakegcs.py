@@ -152,9 +152,9 @@ class FakeGcsServer:
         the disk on every request and keeps no index). Each listing walks the whole bucket (1.54), so a
         test suite that leaves its runs behind makes every later listing dearer: 8,000 objects elsewhere
         in the bucket cost a 600-step tiny run 3.6x the emulator's CPU."""
-        target = (self.root_dir / bucket / folder.strip("/")).resolve()
         bucket_dir = (self.root_dir / bucket).resolve()
-        if not folder.strip("/") or not target.is_relative_to(bucket_dir):
+        target = (bucket_dir / folder.strip("/")).resolve()
+        if target == bucket_dir or not target.is_relative_to(bucket_dir):  # "", "/", "a/.." are the bucket
             raise ValueError(f"{folder!r} is not a folder of bucket {bucket!r}")
         shutil.rmtree(target, ignore_errors=True)
 
