@@ -222,6 +222,30 @@ def test_recovery_is_measured_from_the_restarted_process_only():
     assert (failure.resume_step, failure.lost_steps, status.lost_steps) == (120, 10, 10)
 
 
+def test_a_round_decided_after_the_restarted_process_trained_on_records_the_failed_processs_numbers():
+    # The decision waits up to a kubelet lease (verdict_wait); meanwhile the restarted process restored
+    # step 125 from its local tier, trained to 385 and committed step 300 to GCS.
+    tj = _job({"step": 130})
+    crashed = _jobset(pods=(_crashed(), _worker("llama-a0-slice-0-0", 0)))
+    recovered = progress_record(
+        uid=UID,
+        attempt=0,
+        step=385,
+        updated_at=T0 + timedelta(seconds=9),
+        process_started_at=T0 + timedelta(seconds=1),
+        restored_step=125,
+        restored_from="local",
+    )
+    status, _ = reconcile(tj, _observed(crashed, now=T0 + timedelta(seconds=10), progress=recovered, latest=300))
+    failure = status.last_failure
+    # The failed process had reported 130 and the restart resumed from 125: 5 steps lost, not the
+    # recovery's 385 against the 300 its own save committed.
+    assert (failure.rung, failure.step, failure.resume_step, failure.lost_steps) == ("InPlace", 130, 125, 5)
+    assert status.lost_steps == 5 and status.step == 385  # the record is folded once the round is recorded
+    again, _ = reconcile(tj.model_copy(update={"status": status}), _observed(crashed, progress=recovered, latest=300))
+    assert (again.last_failure.resume_step, again.last_failure.lost_steps, again.lost_steps) == (125, 5, 5)
+
+
 def test_the_decoder_reads_jobsets_rounds_and_leaves_out_the_agents_own_exits():
     pod = {
         "metadata": {"name": "w", "annotations": {"jobset.sigs.k8s.io/in-place-restart-attempt": "2"}},

@@ -203,7 +203,7 @@ def _decide(tj: TrainingJob, observed: Observed) -> tuple[TrainingJobStatus, Act
     actions.stop = [js.name for js in older if js.state != "Failed"]
     status = _with_storage(status, observed, actions)
     previous_progress_time = status.last_progress_time
-    status = with_observations(status, observed)
+    status = with_observations(status, _holding_record_of_unrecorded_round(observed, status, current))
     _report_restore_fallback(status, observed, previous_progress_time, actions)
     status = _with_local_tier(tj, status, observed, actions)
 
@@ -454,6 +454,18 @@ def _still_running_before(attempt: int, observed: Observed) -> int:
     """Workers of attempts before `attempt` that the JobSets observed hold and that may still write (the
     attempt observed current, which this very decision replaced; observed.earlier_pods has the rest)."""
     return _still_writing((js for js in observed.jobsets if js.attempt < attempt), observed)
+
+
+def _holding_record_of_unrecorded_round(
+    observed: Observed, status: TrainingJobStatus, current: JobSetFacts | None
+) -> Observed:
+    """The observations to fold into status: the trainer's record is held back while JobSet shows an
+    in-place round the status has not recorded (the failure is decided up to a kubelet lease later): it
+    may already be the restarted process's, and folding it first would make the failure's step the
+    recovery's. It is folded once the round is recorded (_restarting_in_place)."""
+    if current is None or not current.in_place or current.in_place_round <= status.in_place_round:
+        return observed
+    return dataclasses.replace(observed, progress=None)
 
 
 def _with_later_resume_point(status: TrainingJobStatus, latest: int | None) -> None:
@@ -1062,6 +1074,9 @@ def _restarting_in_place(
     actions.fresh_storage = True  # the resume point and the steps lost, from a listing made for this decision
     actions.requeue_after = _until(observed.now, observed.now, rung.recovery_deadline_seconds, STARTUP_CHECK_SECONDS)
     status = with_phase(status, "Restarting", "RestartingInPlace", message, observed.now)
+    # The record held while the round was unrecorded: the restarted process's restored step, if it is
+    # that far, is the failure's resume point (status.moved_resume_point).
+    status = with_observations(status, observed)
     return _staged(status, "StartingUp", observed.now), actions
 
 

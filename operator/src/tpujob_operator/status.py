@@ -82,12 +82,17 @@ def with_observations(status: TrainingJobStatus, observed: Observed) -> Training
         failure = status.last_failure
         # The attempt that followed the failure restored a step newer than the failure's resume point (a
         # pin means that step or a newer one: a save that committed after the decision, or the local tier
-        # after an in-place restart): the failure lost fewer steps than first said.
+        # after an in-place restart): the failure lost fewer steps than first said. After an in-place
+        # restart the restored step is the resume point either way.
         if (
             failure is not None
             and progress.restored_step is not None
             and recovering_record(failure, progress)
-            and (moved := moved_resume_point(status.lost_steps, failure, progress.restored_step))
+            and (
+                moved := moved_resume_point(
+                    status.lost_steps, failure, progress.restored_step, failure.rung == IN_PLACE
+                )
+            )
         ):
             update["lost_steps"], failure = moved
             update["last_failure"] = failure
@@ -115,10 +120,14 @@ def with_observations(status: TrainingJobStatus, observed: Observed) -> Training
     return status.model_copy(update=update)
 
 
-def moved_resume_point(lost_steps: int, failure: FailureRecord, step: int) -> tuple[int, FailureRecord] | None:
+def moved_resume_point(
+    lost_steps: int, failure: FailureRecord, step: int, exact: bool = False
+) -> tuple[int, FailureRecord] | None:
     """The job's lost steps and the failure record once the failure resumed from `step`, if that is later
-    than its recorded resume point (the steps it did not lose are given back); else None."""
-    if failure.resume_step is not None and step <= failure.resume_step:
+    than its recorded resume point (the steps it did not lose are given back); else None. `exact`: `step`
+    is the resume point even if earlier (an in-place restart's own restore: the listing the failure was
+    decided on may hold a step the restarted process committed since)."""
+    if failure.resume_step is not None and (step == failure.resume_step or (step < failure.resume_step and not exact)):
         return None
     lost = max(0, failure.step - step) if failure.step is not None else None
     return lost_steps - ((failure.lost_steps or 0) - (lost or 0)), failure.model_copy(
