@@ -22,6 +22,12 @@ DIGEST = Path(__file__).with_name("digest.py")
 _STEP_LINE = re.compile(r"^step (\d+)/\d+ ", re.MULTILINE)
 
 
+# One CPU device per process where a run has several, as the devcluster's pods have: XLA:CPU runs a
+# cross-process collective once per local device (a 2-process step of the tiny model takes 78 ms with 2
+# devices each, 17 ms with 1). A test that needs more passes its own XLA_FLAGS.
+ONE_DEVICE = "--xla_force_host_platform_device_count=1"
+
+
 def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
@@ -142,6 +148,8 @@ class Job:
         common = self.env(**(env or {}))
         hosts_per_slice = processes // slices
         if processes > 1:
+            if "XLA_FLAGS" not in (env or {}):
+                common["XLA_FLAGS"] = ONE_DEVICE
             common |= {
                 "TPUJOB_COORDINATOR_ADDRESS": coordinator or f"127.0.0.1:{free_port()}",
                 "TPUJOB_NUM_SLICES": str(slices),

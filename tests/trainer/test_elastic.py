@@ -28,7 +28,12 @@ from tests.trainer.procs import Attempt, Job
 STEPS = 30
 ARGS = ["--steps", str(STEPS), "--batch-size", "8", "--seq-len", "32"]
 # Saves every 10 steps (not every step: the test's time) and the step each SIGTERM stops at.
-EVERY_10 = {Env.CHECKPOINT_POLICY: "interval", Env.CHECKPOINT_INTERVAL_STEPS: "10"}
+# Each process (slice) keeps 2 devices: the shrunk run is one slice of the same shape.
+EVERY_10 = {
+    Env.CHECKPOINT_POLICY: "interval",
+    Env.CHECKPOINT_INTERVAL_STEPS: "10",
+    "XLA_FLAGS": "--xla_force_host_platform_device_count=2",
+}
 SHRUNK = {**EVERY_10, Env.NUM_SLICES: "1", Env.FULL_SLICES: "2"}
 _LOSS = re.compile(r"^step (\d+)/\d+ loss ([\d.]+) ", re.MULTILINE)
 

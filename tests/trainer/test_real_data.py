@@ -150,7 +150,7 @@ def _data_line(attempt: Attempt, process: int) -> tuple[str, int, int]:
 def test_killed_and_restarted_real_data_run_is_bitwise_equal_to_uninterrupted(
     job: Job, gcs: FakeGcsServer, trainer_env: dict[str, str], tmp_path: Path
 ) -> None:
-    """2 processes (data axis across them, fsdp over each one's 2 CPU devices). The reference reads a
+    """2 processes (data axis across them, one CPU device each). The reference reads a
     local file; the interrupted run reads the same bytes from gs://, as a directory of two files
     split at a newline (which the reader joins back with one) beside a hidden file it must skip; it
     is SIGKILLed at a random step once a checkpoint is committed, and restarted as the operator does."""
