@@ -8,6 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+import tpujob_contract as contract
 from tpujob_contract import LABEL_ATTEMPT, LABEL_UID
 from tpujob_operator import api, elastic
 from tpujob_operator import observe as observe_module
@@ -33,6 +34,7 @@ class Decision:
     actions: Actions
     applied: int  # how many of its API calls were made before the operator died (all: len(calls))
     calls: int
+    progress: contract.ProgressRecord | None = None  # the trainer's record it decided on
 
 
 @dataclass
@@ -110,7 +112,7 @@ class Operator:
         limit = len(calls) if self.crash_after is None else min(self.crash_after, len(calls))
         for call in calls[:limit]:
             call()
-        self.decisions.append(Decision(world.now, tj.status, status, actions, limit, len(calls)))
+        self.decisions.append(Decision(world.now, tj.status, status, actions, limit, len(calls), observed.progress))
         self._kept = status if limit == len(calls) else None
         self.crash_after = None
         self.next_at = world.now + int(min(actions.requeue_after or PROGRESS_CHECK_SECONDS, PROGRESS_CHECK_SECONDS))

@@ -40,7 +40,7 @@ def hunt(invariant: str, limit: int, seed: int, worlds: st.SearchStrategy[Config
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--invariants", default="1,2,3,4,6,7,8,9")
+    parser.add_argument("--invariants", default="1,2,3,4,6,7,8,9,10")
     parser.add_argument("--limit", type=int, default=20000)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(

@@ -24,6 +24,7 @@ class Watch:
     ended_at: int | None = None  # Failed, or deleted
     saves_blocked_since_end: bool = False  # the workers' storage hung, or a save outlasted the bound, after the end
     checked_decisions: int = 0
+    checked_recoveries: int = 0
 
 
 def check(world: World, operator: Operator, watch: Watch) -> list[str]:
@@ -36,6 +37,7 @@ def check(world: World, operator: Operator, watch: Watch) -> list[str]:
     found += _released(world, watch)
     found += _succeeded_only_when_committed(world)
     found += [f"9. a restarted operator decides otherwise: {m}" for m in operator.mismatches]
+    found += _resume_points_true(operator, watch)
     return found
 
 
@@ -149,3 +151,26 @@ def _succeeded_only_when_committed(world: World) -> list[str]:
     if _phase(world) != "Succeeded" or world.config.final_step in world.storage.committed:
         return []
     return [f"7. t={world.now}: Succeeded without the final step {world.config.final_step} committed"]
+
+
+def _resume_points_true(operator: Operator, watch: Watch) -> list[str]:
+    """10. A failure's record says where its recovery resumed: once the recovery is measured (from the
+    restarted trainer's record), its resume step is the step that trainer restored."""
+    found: list[str] = []
+    for decision in operator.decisions[watch.checked_recoveries :]:
+        failure, progress = decision.status.last_failure, decision.progress
+        before = decision.before.last_failure
+        measured_now = (
+            failure is not None
+            and failure.recovery_seconds is not None
+            and (before is None or before.time != failure.time or before.recovery_seconds is None)
+        )
+        if decision.applied and measured_now and progress is not None and progress.restored_step is not None:
+            assert failure is not None
+            if failure.resume_step != progress.restored_step:
+                found.append(
+                    f"10. t={decision.time}: {failure.kind} on the {failure.rung} rung resumed from step "
+                    f"{progress.restored_step}, its record says {failure.resume_step}"
+                )
+    watch.checked_recoveries = len(operator.decisions)
+    return found
