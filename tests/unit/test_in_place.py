@@ -48,6 +48,15 @@ def _observed(jobset, now=T0 + timedelta(seconds=2), progress=None, latest=100):
     return Observed(now=now, jobsets=(jobset,), progress=progress, latest_committed_step=latest)
 
 
+def _restarted_record(step, restored, updated_at, **facts):
+    """The record of the process restarted in place 1 s after the crash, which restored `restored` from its
+    local tier and is at `step`."""
+    return progress_record(
+        uid=UID, attempt=0, step=step, updated_at=updated_at, process_started_at=T0 + timedelta(seconds=1),
+        restored_step=restored, restored_from="local", **facts,
+    )  # fmt: skip
+
+
 def _restarting():
     """The job once the operator recorded the in-place restart after a crash at step 130 (GCS: 100)."""
     before = progress_record(uid=UID, attempt=0, step=130, updated_at=T0, process_started_at=T0 - timedelta(hours=1))
@@ -204,16 +213,7 @@ def test_recovery_is_measured_from_the_restarted_process_only():
     # The record before the failure (same attempt, step past the resume point) is not the recovery.
     status, _ = reconcile(tj, _observed(_jobset(pods=(_crashed(),)), now=now, progress=stale))
     assert status.last_failure.recovery_seconds is None and status.phase == "Restarting"
-    fresh = progress_record(
-        uid=UID,
-        attempt=0,
-        step=121,
-        updated_at=T0 + timedelta(seconds=8),
-        process_started_at=T0 + timedelta(seconds=1),
-        restored_step=120,
-        restored_from="local",
-        restore_finished_at=T0 + timedelta(seconds=5),
-    )
+    fresh = _restarted_record(121, 120, T0 + timedelta(seconds=8), restore_finished_at=T0 + timedelta(seconds=5))
     status, _ = reconcile(tj, _observed(_jobset(pods=(_crashed(),)), now=now, progress=fresh))
     failure = status.last_failure
     assert failure.recovery_seconds == 8.0
@@ -227,15 +227,7 @@ def test_a_round_decided_after_the_restarted_process_trained_on_records_the_fail
     # step 125 from its local tier, trained to 385 and committed step 300 to GCS.
     tj = _job({"step": 130})
     crashed = _jobset(pods=(_crashed(), _worker("llama-a0-slice-0-0", 0)))
-    recovered = progress_record(
-        uid=UID,
-        attempt=0,
-        step=385,
-        updated_at=T0 + timedelta(seconds=9),
-        process_started_at=T0 + timedelta(seconds=1),
-        restored_step=125,
-        restored_from="local",
-    )
+    recovered = _restarted_record(385, 125, T0 + timedelta(seconds=9))
     status, _ = reconcile(tj, _observed(crashed, now=T0 + timedelta(seconds=10), progress=recovered, latest=300))
     failure = status.last_failure
     # The failed process had reported 130 and the restart resumed from 125: 5 steps lost, not the
