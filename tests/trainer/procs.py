@@ -27,6 +27,22 @@ _STEP_LINE = re.compile(r"^step (\d+)/\d+ ", re.MULTILINE)
 # devices each, 17 ms with 1). A test that needs more passes its own XLA_FLAGS.
 ONE_DEVICE = "--xla_force_host_platform_device_count=1"
 
+# The session's compilation cache as each process's own tier too (TPUJOB_LOCAL_COMPILATION_CACHE_DIR, the
+# pod volume a restart in place keeps), one per process index. With several CPU processes the shared
+# tier turns itself off (XLA's CPU fingerprint differs per process index: library/src/tpujob/compile_cache.py),
+# so every start compiled again; a process's own keys are the same in every run of the same shape.
+# Tests of the cache itself drop JAX_COMPILATION_CACHE_DIR, and with it this.
+OWN_TIER_SUFFIX = "-own"
+
+
+def own_compile_tier(env: dict[str, str], index: int) -> dict[str, str]:
+    """Process `index`'s own compilation tier under the session's cache; none where the env sets one or
+    has no session cache."""
+    shared = env.get("JAX_COMPILATION_CACHE_DIR")
+    if not shared or "TPUJOB_LOCAL_COMPILATION_CACHE_DIR" in env:
+        return {}
+    return {"TPUJOB_LOCAL_COMPILATION_CACHE_DIR": f"{shared}{OWN_TIER_SUFFIX}/process{index}"}
+
 
 def free_port() -> int:
     with socket.socket() as sock:
@@ -168,6 +184,7 @@ class Job:
                         **common,
                         "TPUJOB_SLICE_ID": str(index // hosts_per_slice),
                         "JOB_COMPLETION_INDEX": str(index % hosts_per_slice),
+                        **(own_compile_tier(common, index) if processes > 1 else {}),
                         **(process_env(index) if process_env else {}),
                     },
                     stdout=out,
