@@ -46,8 +46,11 @@ def devcluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DevCluster]
     state = tmp_path_factory.mktemp("devcluster")
     pools = state / "pools.yaml"
     pools.write_text(yaml.safe_dump(E2E_POOLS))
-    # Kueue runs for every e2e test: jobs without its queue label must behave exactly as without it.
-    cluster = DevCluster(state, pools, kueue=True).start()
+    # Kueue runs for every e2e test: jobs without its queue label must behave exactly as without it. A job of
+    # several processes reads what the same process index compiled before, as TPU hosts read the slice's
+    # shared cache (podrunner.process_compile_cache; an InPlace job's pods keep their own volume's).
+    compiled = tmp_path_factory.mktemp("process-compile-cache")
+    cluster = DevCluster(state, pools, kueue=True, process_compile_cache=compiled).start()
     try:
         # Status follows the trainer within 5 s (the default, 60 s, would add up to a minute to every wait).
         # The devcluster's WorkloadPriorityClasses, which tests/e2e/test_kueue.py labels its jobs with.

@@ -84,13 +84,16 @@ class DevCluster:
         kueue_tpu_quota: int | Mapping[str, int] | None = None,
         audit_policy: dict[str, Any] | None = None,
         pod_runner_interval: float | None = None,
+        process_compile_cache: Path | None = None,
     ) -> None:
         """detached: outlive this process (`make up`); otherwise stop() or this process's exit ends it.
         kueue: run Kueue and create its queues, with `kueue_tpu_quota` TPU chips per flavor (see
         kueue.queue_manifests; default: the chips of the pools); set_kueue_quota() changes it later.
         audit_policy: write the apiserver's audit log under this policy (ControlPlane.audit_policy;
         the log is at `self.plane.audit_log`). pod_runner_interval: seconds between the pod runner's
-        passes over the pods (default: its own, 0.3 s); longer spares CPU with many pods and nodes."""
+        passes over the pods (default: its own, 0.3 s); longer spares CPU with many pods and nodes.
+        process_compile_cache: a folder outside state_dir where the JAX processes of several-process jobs
+        keep their compilations across jobs, as a TPU slice's hosts share theirs (podrunner.process_compile_cache)."""
         self.state_dir = state_dir
         self.detached = detached
         self.kueue_enabled = kueue
@@ -102,6 +105,7 @@ class DevCluster:
             workdir=state_dir, bin_dir=self.bin_dir, service_account_admission=True, audit_policy=audit_policy
         )
         self.pod_runner_interval = pod_runner_interval
+        self.process_compile_cache = process_compile_cache
         self.gcs: FakeGcsServer | None = None
         # The nodes' kubelet port (kwok writes it into node status): the pod runner's logs endpoint.
         self.kubelet_port = free_port()
@@ -245,6 +249,7 @@ class DevCluster:
                 f"--client-ca={self.plane.pki.ca_cert}",
                 *env_args,
                 *([f"--interval={self.pod_runner_interval}"] if self.pod_runner_interval is not None else []),
+                *([f"--process-compile-cache={self.process_compile_cache}"] if self.process_compile_cache else []),
             ],
         )
         self.plane.launch(runner, lambda: True, timeout)

@@ -66,7 +66,7 @@ from typing import IO, Any
 import yaml
 from kubernetes import client, config
 from kubernetes.client.exceptions import ApiException
-from tpujob_contract import TPU_RESOURCE
+from tpujob_contract import TPU_RESOURCE, Env
 
 from . import kubeletlogs
 
@@ -176,6 +176,23 @@ def container_env(pod: dict[str, Any], container: dict[str, Any], extra: dict[st
         else:
             raise ValueError(f"env {item['name']}: only value and fieldRef are supported by the pod runner")
     return env
+
+
+def process_compile_cache(env: dict[str, str], root: Path) -> dict[str, str]:
+    """The CPU stand-in for a TPU slice's shared compilation cache: a JAX process of several reads what
+    the process of its index compiled before, in `root/process<index>` as its own tier.
+
+    On TPU every host of a slice shape computes the same cache keys, so a new attempt's processes read the
+    shared tier. XLA's CPU keys differ per process index, and with several CPU processes the trainer turns
+    the shared tier off (library/src/tpujob/compile_cache.py); the same index computes the same keys, so
+    this gives back what the TPU hosts have. None where the pod sets its own tier (an InPlace job's
+    volume, which a new pod starts empty) or runs one process."""
+    hosts = int(env.get(Env.HOSTS_PER_SLICE, "1") or 1)
+    if Env.LOCAL_COMPILATION_CACHE_DIR in env or int(env.get(Env.NUM_SLICES, "1") or 1) * hosts < 2:
+        return {}
+    default = int(env.get(Env.SLICE_ID, "0") or 0) * hosts + int(env.get("JOB_COMPLETION_INDEX", "0") or 0)
+    index = int(env.get("TPUJOB_PROCESS_ID") or default)  # the trainer's rule (tpujob.config)
+    return {Env.LOCAL_COMPILATION_CACHE_DIR: str(root / f"process{index}")}
 
 
 def tpu_chips(container: dict[str, Any]) -> int:
@@ -546,6 +563,7 @@ class PodRunner:
         api_port: int,
         cpu_devices_per_pod: int,
         image_bin_dirs: list[Path] | None = None,
+        process_compile_cache_root: Path | None = None,
     ) -> None:
         self.state_dir = state_dir
         self.cpu_devices_per_pod = cpu_devices_per_pod
@@ -554,6 +572,7 @@ class PodRunner:
         self.image_workdirs = load_image_workdirs(images)
         self.image_bin_dirs = image_bin_dirs or []
         self.extra_env = extra_env
+        self.process_compile_cache_root = process_compile_cache_root  # see process_compile_cache
         self.api_port = api_port
         self.core = client.CoreV1Api()
         self.addresses = AddressPool()
@@ -615,6 +634,8 @@ class PodRunner:
             path.extend(str(d) for d in self.image_bin_dirs)
             extra["PATH"] = ":".join(p for p in path if p)
             env = container_env(pod, container, extra)
+            if chips and self.process_compile_cache_root is not None:
+                env |= process_compile_cache(env, self.process_compile_cache_root)
             argv = expand_var_refs(argv, env)
             volumes_dir = directory / "volumes" / uid
             volumes = empty_dir_mounts(spec, container, volumes_dir)
@@ -965,6 +986,11 @@ def main(argv: list[str] | None = None) -> None:
         default=[],
         help="a folder of binaries every image holds (JobSet's agent, tpujob-init), on every pod's PATH",
     )
+    parser.add_argument(
+        "--process-compile-cache",
+        type=Path,
+        help="the CPU stand-in for a TPU slice's shared compilation cache (process_compile_cache): a folder",
+    )
     parser.add_argument("--interval", type=float, default=0.3)
     parser.add_argument(
         "--cpu-devices-per-pod",
@@ -981,7 +1007,15 @@ def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     config.load_kube_config(args.kubeconfig)
     extra = dict(item.split("=", 1) for item in args.env)
-    runner = PodRunner(args.state_dir, args.images, extra, args.api_port, args.cpu_devices_per_pod, args.image_bin_dir)
+    runner = PodRunner(
+        args.state_dir,
+        args.images,
+        extra,
+        args.api_port,
+        args.cpu_devices_per_pod,
+        args.image_bin_dir,
+        args.process_compile_cache,
+    )
     if args.logs_port:
         context = kubeletlogs.server_context(args.tls_cert, args.tls_key, args.client_ca)
         kubeletlogs.serve(args.state_dir / "pods", args.logs_port, context, runner.container_running, runner.stopping)
