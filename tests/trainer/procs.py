@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from tpujob_devcluster.fakegcs import FakeGcsServer
+from tpujob_devcluster.podrunner import process_compile_cache
 
 BUCKET = "tpujob-trainer-tests"
 NAMESPACE = "tests"
@@ -27,21 +28,16 @@ _STEP_LINE = re.compile(r"^step (\d+)/\d+ ", re.MULTILINE)
 # devices each, 17 ms with 1). A test that needs more passes its own XLA_FLAGS.
 ONE_DEVICE = "--xla_force_host_platform_device_count=1"
 
-# The session's compilation cache as each process's own tier too (TPUJOB_LOCAL_COMPILATION_CACHE_DIR, the
-# pod volume a restart in place keeps), one per process index. With several CPU processes the shared
-# tier turns itself off (XLA's CPU fingerprint differs per process index: library/src/tpujob/compile_cache.py),
-# so every start compiled again; a process's own keys are the same in every run of the same shape.
-# Tests of the cache itself drop JAX_COMPILATION_CACHE_DIR, and with it this.
-OWN_TIER_SUFFIX = "-own"
 
-
-def own_compile_tier(env: dict[str, str], index: int) -> dict[str, str]:
-    """Process `index`'s own compilation tier under the session's cache; none where the env sets one or
-    has no session cache."""
+# The session's compilation cache as each process's own tier too, one folder per process index, as the
+# devcluster gives its pods (podrunner.process_compile_cache): with several CPU processes the shared tier
+# turns itself off, so every start compiled again. Tests of the cache itself drop JAX_COMPILATION_CACHE_DIR,
+# and with it this.
+def own_compile_tier(env: dict[str, str]) -> dict[str, str]:
+    """The own tier of the process whose env this is, under the session's cache; none where the env sets
+    one, runs one process or has no session cache."""
     shared = env.get("JAX_COMPILATION_CACHE_DIR")
-    if not shared or "TPUJOB_LOCAL_COMPILATION_CACHE_DIR" in env:
-        return {}
-    return {"TPUJOB_LOCAL_COMPILATION_CACHE_DIR": f"{shared}{OWN_TIER_SUFFIX}/process{index}"}
+    return process_compile_cache(env, Path(f"{shared}-own")) if shared else {}
 
 
 def free_port() -> int:
@@ -177,16 +173,15 @@ class Job:
         for index in range(processes) if only is None else only:
             log = self.log_dir / f"attempt{len(self.attempts)}-process{index}.log"
             out = log.open("wb")
+            placed = {
+                **common,
+                "TPUJOB_SLICE_ID": str(index // hosts_per_slice),
+                "JOB_COMPLETION_INDEX": str(index % hosts_per_slice),
+            }
             procs.append(
                 subprocess.Popen(
                     [*command, *args],
-                    env={
-                        **common,
-                        "TPUJOB_SLICE_ID": str(index // hosts_per_slice),
-                        "JOB_COMPLETION_INDEX": str(index % hosts_per_slice),
-                        **(own_compile_tier(common, index) if processes > 1 else {}),
-                        **(process_env(index) if process_env else {}),
-                    },
+                    env=placed | own_compile_tier(placed) | (process_env(index) if process_env else {}),
                     stdout=out,
                     stderr=subprocess.STDOUT,
                     stdin=subprocess.DEVNULL,

@@ -187,12 +187,17 @@ def process_compile_cache(env: dict[str, str], root: Path) -> dict[str, str]:
     the shared tier off (library/src/tpujob/compile_cache.py); the same index computes the same keys, so
     this gives back what the TPU hosts have. None where the pod sets its own tier (an InPlace job's
     volume, which a new pod starts empty) or runs one process."""
-    hosts = int(env.get(Env.HOSTS_PER_SLICE, "1") or 1)
-    if Env.LOCAL_COMPILATION_CACHE_DIR in env or int(env.get(Env.NUM_SLICES, "1") or 1) * hosts < 2:
+    from tpujob.config import ConfigError, topology_from_env  # imports JAX: only where this is asked for
+
+    if Env.LOCAL_COMPILATION_CACHE_DIR in env:
         return {}
-    default = int(env.get(Env.SLICE_ID, "0") or 0) * hosts + int(env.get("JOB_COMPLETION_INDEX", "0") or 0)
-    index = int(env.get("TPUJOB_PROCESS_ID") or default)  # the trainer's rule (tpujob.config)
-    return {Env.LOCAL_COMPILATION_CACHE_DIR: str(root / f"process{index}")}
+    try:
+        topology = topology_from_env(env)  # the trainer's own rule for its process index
+    except ConfigError:
+        return {}  # the trainer reports its env itself
+    if topology.num_processes < 2:
+        return {}
+    return {Env.LOCAL_COMPILATION_CACHE_DIR: str(root / f"process{topology.process_id}")}
 
 
 def tpu_chips(container: dict[str, Any]) -> int:
