@@ -61,6 +61,19 @@ def devcluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DevCluster]
         cluster.stop()
 
 
+# Steps of at least 50 ms: the tiny model's own take a few ms, so an unpaced job of the same length
+# would train 5-10 times as many steps, each about 24 ms of CPU, and starve the tests beside it.
+PACED = 0.05
+
+
+def trainer_args(steps: int, min_step_seconds: float = 0.0) -> list[str]:
+    """The built-in trainer's arguments for an e2e job. `min_step_seconds` pads each step (its
+    --min-step-seconds): a job that must still be training when its test acts lasts at least steps x
+    that on any machine, at a fraction of the CPU of the unpaced steps it would otherwise need."""
+    paced = ["--min-step-seconds", str(min_step_seconds)] if min_step_seconds else []
+    return ["--model", "tiny", "--steps", str(steps), "--batch-size", "8", "--log-every", "10", *paced]
+
+
 class E2E:
     """Test-side view of the devcluster: the API, the bucket, the pod processes."""
 
@@ -84,14 +97,14 @@ class E2E:
         topology: str = "2x2x2",
         slices: int = 2,
         extra_args: list[str] | None = None,
+        min_step_seconds: float = 0.0,
         **spec: Any,
     ) -> None:
         manifest = {
             "apiVersion": f"{api.GROUP}/{api.VERSION}", "kind": api.KIND, "metadata": {"name": name},
             "spec": {
                 "image": "tpujob-trainer:dev",
-                "args": ["--model", "tiny", "--steps", str(steps), "--batch-size", "8", "--log-every", "10",
-                         *(extra_args or [])],
+                "args": [*trainer_args(steps, min_step_seconds), *(extra_args or [])],
                 "tpu": {"accelerator": accelerator, "topology": topology, "slices": slices},
                 # Continuous, at least a second apart: back to back, the tiny model's saves cost a third of
                 # its CPU and the emulator's; no test of the default asks for more than a commit a second.

@@ -12,13 +12,14 @@ import pytest
 from kubernetes import client
 from tpujob_devcluster.harness import lose_node
 
-from .conftest import E2E, Scenarios, run_side_by_side
+from .conftest import E2E, PACED, Scenarios, run_side_by_side
 
 V5E: dict[str, Any] = {"accelerator": "tpu-v5-lite-podslice", "topology": "2x2", "slices": 1}
+STEPS = 600
 
 
 def _training(e2e: E2E, name: str) -> str:
-    # Jobs run long enough (1,500 steps) that the pod is still running when the test acts on it.
+    # Jobs run long enough (STEPS, paced: 30 s at least) that the pod is still running when the test acts on it.
     e2e.wait(name, lambda s: s.get("phase") == "Running" and (s.get("step") or 0) > 0, 300, "training")
     return e2e.running_pod(f"{name}-a0-slice-0-0")
 
@@ -48,7 +49,7 @@ def _held(e2e: E2E, name: str) -> list[str]:
 
 
 def killed_process_is_restarted_and_counted(e2e: E2E) -> None:
-    e2e.apply("killed", 1500, **V5E)
+    e2e.apply("killed", STEPS, min_step_seconds=PACED, **V5E)
     e2e.signal_pod(_training(e2e, "killed"), signal.SIGKILL)
     status = e2e.wait("killed", lambda s: s.get("phase") == "Succeeded", 300, "Succeeded")
     assert (status["restarts"], status["countedRestarts"]) == (1, 1)
@@ -56,7 +57,7 @@ def killed_process_is_restarted_and_counted(e2e: E2E) -> None:
 
 
 def preemption_checkpoints_the_current_step_and_is_not_counted(e2e: E2E) -> None:
-    e2e.apply("preempted", 1500, restart={"maxRestarts": 0}, **V5E)
+    e2e.apply("preempted", STEPS, restart={"maxRestarts": 0}, min_step_seconds=PACED, **V5E)
     pod = _training(e2e, "preempted")
     # Eviction is how GKE drains a node for maintenance: DisruptionTarget, then SIGTERM with grace.
     e2e.core.create_namespaced_pod_eviction(
@@ -71,7 +72,7 @@ def preemption_checkpoints_the_current_step_and_is_not_counted(e2e: E2E) -> None
 
 
 def lost_node_is_restarted_on_another_pool(e2e: E2E) -> None:
-    e2e.apply("nodelost", 1500, **V5E)
+    e2e.apply("nodelost", STEPS, min_step_seconds=PACED, **V5E)
     node = lose_node(e2e.core, e2e.namespace, _training(e2e, "nodelost"))
     try:
         status = e2e.wait("nodelost", lambda s: s.get("phase") == "Succeeded", 360, "Succeeded")
@@ -82,7 +83,7 @@ def lost_node_is_restarted_on_another_pool(e2e: E2E) -> None:
 
 
 def hung_process_is_restarted_after_the_hang_timeout(e2e: E2E) -> None:
-    e2e.apply("hung", 1500, restart={"hangTimeoutSeconds": 45}, **V5E)
+    e2e.apply("hung", STEPS, restart={"hangTimeoutSeconds": 45}, min_step_seconds=PACED, **V5E)
     pod = _training(e2e, "hung")
     stopped_at = time.monotonic()
     e2e.signal_pod(pod, signal.SIGSTOP)  # alive, no progress

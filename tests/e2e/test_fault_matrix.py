@@ -23,7 +23,7 @@ from tpujob_devcluster.cluster import BUCKET
 from tpujob_devcluster.harness import OPERATOR_NAMESPACE, signal_pod
 from tpujob_devcluster.pools import Pool, node_manifests
 
-from .conftest import E2E, Scenarios, run_side_by_side
+from .conftest import E2E, PACED, Scenarios, run_side_by_side
 
 V5E: dict[str, Any] = {"accelerator": "tpu-v5-lite-podslice", "topology": "2x2", "slices": 1}
 STORAGE = "CheckpointStorageReachable"
@@ -93,13 +93,14 @@ def _steps_after(samples: list[tuple[float, Any]], since: float) -> list[int]:
 
 
 # -- 1. storage outage (alone: it reaches every job) ----------------------------------------------------
-OUTAGE_STEPS = 4000
+OUTAGE_STEPS = 2000
 OUTAGE_SECONDS = 45
 OUTAGE_HANG_TIMEOUT = 30
 # Synchronous saves at most once a second: a save blocks training while storage is down, so the
 # trainer really makes no step for longer than the hang timeout, and the outages, not the step
-# budget, decide how long the job lasts (the tiny model trains ~100 steps/s on its own). On a loaded
-# machine the saves take longer and the job with them; `_succeeded` waits as long as steps advance.
+# budget, decide how long the job lasts. Paced, it trains at least 100 s outside the outages, time
+# for both of them on any machine; on a loaded one the saves take longer and the job with them,
+# and `_succeeded` waits as long as steps advance.
 OUTAGE_CHECKPOINT = {"directory": f"gs://{BUCKET}/e2e", "async": False, "minIntervalSeconds": 1}
 
 
@@ -151,7 +152,7 @@ def test_storage_outage_killed_then_hung_costs_the_job_nothing(e2e):
     # (by default they give up at half the hang timeout, which guards against storage lost for the
     # workers alone: a silence the operator would count as a hang).
     e2e.apply(
-        name, OUTAGE_STEPS, checkpoint=OUTAGE_CHECKPOINT,
+        name, OUTAGE_STEPS, checkpoint=OUTAGE_CHECKPOINT, min_step_seconds=PACED,
         restart={"hangTimeoutSeconds": OUTAGE_HANG_TIMEOUT, "maxRestarts": 0}, **V5E,
         env=[{"name": "TPUJOB_STORAGE_WAIT_SECONDS", "value": str(4 * OUTAGE_SECONDS)}],
     )  # fmt: skip
@@ -190,7 +191,7 @@ def test_storage_outage_killed_then_hung_costs_the_job_nothing(e2e):
 
 
 # -- 2-8, side by side ------------------------------------------------------------------------------------
-STEPS = 5000
+STEPS = 1200  # paced: at least 60 s of training, and a few seconds is all a scenario needs before it acts
 
 
 def scenario_long_scheduling(e2e: E2E) -> None:
@@ -240,10 +241,10 @@ def scenario_long_scheduling(e2e: E2E) -> None:
 def scenario_suspend_across_hang_timeout(e2e: E2E) -> None:
     """spec.suspend while training, suspended for longer than hangTimeoutSeconds, resumed: nothing
     counted, no failure recorded, and training never goes back past what was committed."""
-    # Fewer steps than the others and a longer wait: its clock runs on after a minute suspended, with
-    # the matrix's other jobs sharing the CPUs.
-    name, hang, steps = "pause", 45, 3500
-    e2e.apply(name, steps, restart={"hangTimeoutSeconds": hang, "maxRestarts": 0}, **V5E)
+    # A longer wait than the others: its clock runs on after a minute suspended, with the matrix's other
+    # jobs sharing the CPUs.
+    name, hang, steps = "pause", 45, 1000
+    e2e.apply(name, steps, restart={"hangTimeoutSeconds": hang, "maxRestarts": 0}, min_step_seconds=PACED, **V5E)
     _training(e2e, name)
     sampler = Sampler(lambda: e2e.status(name))
     try:
@@ -283,7 +284,7 @@ def scenario_same_name_recreation(e2e: E2E) -> None:
     same name and spec: the orphaned JobSet is removed, the new incarnation resumes from the run
     directory's committed step and succeeds with no restart."""
     name = "reborn"
-    e2e.apply(name, STEPS, **V5E)
+    e2e.apply(name, STEPS, min_step_seconds=PACED, **V5E)
     _training(e2e, name)
     old_uid = e2e.uid(name)
     [old_jobset] = e2e.jobsets()
@@ -299,7 +300,7 @@ def scenario_same_name_recreation(e2e: E2E) -> None:
     )
     assert e2e.running_pod(f"{name}-a0-slice-0-0")
 
-    e2e.apply(name, STEPS, **V5E)
+    e2e.apply(name, STEPS, min_step_seconds=PACED, **V5E)
     new_uid = e2e.uid(name)
     assert new_uid != old_uid
     e2e.until(
@@ -334,7 +335,8 @@ def scenario_corrupted_latest_checkpoint(e2e: E2E) -> None:
     is frozen, then the trainer killed: the restart pins that step, the trainer falls back to the
     next older committed step, and status says which step was restored."""
     name = "broken"
-    e2e.apply(name, STEPS, checkpoint={"directory": f"gs://{BUCKET}/e2e", "keep": {"latest": 3}}, **V5E)
+    checkpoint = {"directory": f"gs://{BUCKET}/e2e", "keep": {"latest": 3}}
+    e2e.apply(name, STEPS, checkpoint=checkpoint, min_step_seconds=PACED, **V5E)
     _training(e2e, name)
     e2e.until(lambda: len(e2e.committed_steps(name)) >= 2, 180, "two committed steps")
     pod = e2e.running_pod(f"{name}-a0-slice-0-0")
@@ -383,7 +385,7 @@ def scenario_operator_killed_mid_restart(e2e: E2E) -> None:
     standby takes the Lease and finishes that restart; it is counted once and the job never has two
     live JobSets."""
     name = "leaderless"
-    e2e.apply(name, STEPS, restart={"backoffSeconds": 5}, **V5E)
+    e2e.apply(name, STEPS, restart={"backoffSeconds": 5}, min_step_seconds=PACED, **V5E)
     _training(e2e, name)
     leader = _leader_pod(e2e)
     assert leader in _operator_pods(e2e) and len(_operator_pods(e2e)) == 2, (leader, _operator_pods(e2e))
@@ -459,7 +461,7 @@ def scenario_busy_pool(e2e: E2E) -> None:
     [node] = node_manifests([pool], 0)
     e2e.core.create_node(node)  # type: ignore[arg-type]  # the client posts a dict as it is
     try:
-        e2e.apply(holder, STEPS, **shape)
+        e2e.apply(holder, STEPS, min_step_seconds=1, **shape)  # holds the slice for 20 minutes, nearly idle
         e2e.wait(holder, lambda s: s.get("stage") in ("StartingUp", "Training"), 120, "the holder scheduled")
         e2e.apply(name, 100, **shape)
         status = e2e.wait(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import signal
 import time
 from pathlib import Path
 
@@ -17,7 +18,8 @@ from tpujob import checkpointing, failures, progress
 from tpujob.checkpointing import CheckpointIncompatible, StorageError
 from tpujob.config import ConfigError, run_config, topology_from_env
 from tpujob_contract import LATEST, QuarantinedStep, Resume
-from tpujob_trainer.config import MODELS, parse_config
+from tpujob_trainer import main
+from tpujob_trainer.config import MODELS, Config, parse_config
 from tpujob_trainer.data import batch_for_step
 from tpujob_trainer.train import Trainer, make_mesh, partition_spec, resolve_dtype
 
@@ -129,6 +131,9 @@ def test_process_id_from_jobset_env(env: dict[str, str], expected: tuple[int, in
         ),
         ([], {**RUN, "TPUJOB_MTBF_SECONDS": "-5"}, "TPUJOB_MTBF_SECONDS must be > 0"),
         ([], {**RUN, "TPUJOB_MTBF_SECONDS": "inf"}, "TPUJOB_MTBF_SECONDS='inf' is not finite"),
+        (["--min-step-seconds", "-0.5"], {}, "min step seconds must be in [0, 60], got -0.5"),
+        (["--min-step-seconds", "nan"], {}, "min step seconds must be in [0, 60], got nan"),
+        ([], {"TPUJOB_MIN_STEP_SECONDS": "90"}, "min step seconds must be in [0, 60], got 90.0"),
     ],
 )
 def test_bad_configuration_is_refused(argv: list[str], env: dict[str, str], message: str) -> None:
@@ -188,6 +193,30 @@ def test_train_step_learns_and_is_deterministic() -> None:
     again, params_again = losses()
     assert first == again and np.array_equal(params, params_again)
     assert np.mean(first[-5:]) < np.mean(first[:5]) - 0.5
+
+
+def test_a_paced_loop_spends_at_least_min_step_seconds_on_each_step() -> None:
+    """--min-step-seconds pads each step of the built-in loop (the e2e tier's jobs last long at little CPU)."""
+    argv = ["--steps", "8", "--batch-size", "2", "--seq-len", "8"]
+    unpaced, paced = parse_config(argv, {}), parse_config([*argv, "--min-step-seconds", "0.25"], {})
+    assert (unpaced.train.min_step_seconds, paced.train.min_step_seconds) == (0.0, 0.25)
+    assert parse_config(argv, {"TPUJOB_MIN_STEP_SECONDS": "0.1"}).train.min_step_seconds == 0.1
+    trainer = Trainer(paced.train, make_mesh(1))
+    handler = signal.getsignal(signal.SIGTERM)  # PreemptionNotice(False) installs its own in this process
+    try:
+
+        def train(cfg: Config) -> float:
+            status = progress.AttemptProgress(0, "", contract.now_rfc3339())
+            began = time.monotonic()
+            notice = checkpointing.PreemptionNotice(distributed=False)
+            stopped = main._train(cfg, main._batches(cfg.train), trainer, trainer.init(), None, notice, None, status)
+            assert not stopped and status.step == cfg.train.steps
+            return time.monotonic() - began
+
+        train(unpaced)  # compiles: the paced run's time is its steps'
+        assert train(paced) >= 8 * 0.25
+    finally:
+        signal.signal(signal.SIGTERM, handler)
 
 
 def test_progress_record_and_line() -> None:

@@ -69,6 +69,7 @@ class TrainConfig:
     warmup_steps: int
     dtype: DType
     data: str  # --data: a text corpus (file or directory, local or gs://); "" = synthetic (data.py)
+    min_step_seconds: float = 0.0  # --min-step-seconds: each step padded to at least this long; 0 = unpaced
 
 
 @dataclasses.dataclass(frozen=True)
@@ -100,8 +101,16 @@ def _flag_parser(env: Mapping[str, str]) -> argparse.ArgumentParser:
     p.add_argument("--data", default=env.get("TPUJOB_DATA", ""),
                    help="train on this text corpus (a file, or a directory of them; local or gs://) as "
                         "bytes; default: synthetic data")  # fmt: skip
+    p.add_argument("--min-step-seconds", type=float, default=_float(env, "TPUJOB_MIN_STEP_SECONDS", 0.0),
+                   help="pad each step to at least this long: a larger model's step time, on a machine "
+                        "where the model's own steps are far shorter (CPU demos and tests); default 0, "
+                        "as fast as it goes")  # fmt: skip
     return p
 
+
+# A paced step longer than this would read as a hang to a default hangTimeoutSeconds long before
+# it reads as slow: a typo, not a step time.
+MAX_MIN_STEP_SECONDS = 60.0
 
 # A byte-level corpus (corpus.py) has tokens 0..255: the embedding must have a row for each.
 BYTE_VOCAB = 256
@@ -125,6 +134,10 @@ def _train_config(args: argparse.Namespace) -> TrainConfig:
     _require(args.seed >= 0, f"seed must be >= 0, got {args.seed}")
     _require(args.log_every > 0, f"log every must be > 0, got {args.log_every}")
     _require(args.learning_rate > 0, f"learning rate must be > 0, got {args.learning_rate}")
+    _require(
+        0 <= args.min_step_seconds <= MAX_MIN_STEP_SECONDS,
+        f"min step seconds must be in [0, {MAX_MIN_STEP_SECONDS:g}], got {args.min_step_seconds}",
+    )
     warmup = args.warmup_steps if args.warmup_steps >= 0 else max(1, args.steps // 10)
     _require(warmup < args.steps, f"warmup steps ({warmup}) must be < steps ({args.steps})")
     data = args.data.strip()
@@ -132,7 +145,7 @@ def _train_config(args: argparse.Namespace) -> TrainConfig:
     return TrainConfig(
         model=model, steps=args.steps, batch_size=args.batch_size, seq_len=args.seq_len, seed=args.seed,
         log_every=args.log_every, learning_rate=args.learning_rate, warmup_steps=warmup, dtype=args.dtype,
-        data=data,
+        data=data, min_step_seconds=args.min_step_seconds,
     )  # fmt: skip
 
 

@@ -65,6 +65,7 @@ def _train(
     hook = attempt.StepHook(cfg, notice, status, mngr, local, writer)
     window_start, window_steps, last_publish = time.monotonic(), 0, float("-inf")
     for step in range(status.step + 1, tc.steps + 1):
+        step_began = time.monotonic()
         # The update producing `step` consumes batch step-1: data position == step.
         batch = trainer.device_batch(batch_of_step(step - 1))
         state, loss = trainer.step(state, batch)
@@ -86,7 +87,9 @@ def _train(
             if writer is not None and due_publish:
                 writer.publish(status.record("running"))
                 last_publish = now
-        hook.next_step_begins()
+        hook.next_step_begins()  # before the pad: a padded step is timed as the longer step it stands for
+        if tc.min_step_seconds:
+            time.sleep(max(0.0, step_began + tc.min_step_seconds - time.monotonic()))
     if mngr and not attempt.save_final(mngr, status.step, state, status):  # the final model, always
         raise RuntimeError(f"the final step {status.step} could not be checkpointed")
     return False
