@@ -405,3 +405,16 @@ def test_resuming_a_suspended_in_place_job_starts_a_fresh_attempt_and_counts_its
     after, actions = reconcile(_job(status), _observed(suspended, latest=100))
     assert actions.set_suspend is None and actions.stop == ["llama-a0"]
     assert (after.attempt, after.in_place_round, after.restarts) == (1, 0, 0)
+
+
+def test_a_round_a_suspension_leaves_unrecorded_holds_no_record_back():
+    # A worker crashed and was restarted in place (round 1); Kueue suspended the JobSet before the round
+    # was decided. A suspension records no round, so holding the trainer's record would only freeze
+    # status.step for as long as the job stays suspended: the workers' suspension save reaches status.
+    suspended = dataclasses.replace(_jobset(state="Suspended"), queue_name="team-a")
+    saved = progress_record(
+        uid=UID, attempt=0, step=160, state="preempted", last_committed_step=160,
+        updated_at=T0 + timedelta(seconds=5), process_started_at=T0 + timedelta(seconds=1),
+    )  # fmt: skip
+    status, _ = reconcile(_job({"step": 130}), _observed(suspended, progress=saved, latest=160))
+    assert (status.step, status.in_place_round, status.restarts, status.last_failure) == (160, 0, 0, None)

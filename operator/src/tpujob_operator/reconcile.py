@@ -203,7 +203,7 @@ def _decide(tj: TrainingJob, observed: Observed) -> tuple[TrainingJobStatus, Act
     actions.stop = [js.name for js in older if js.state != "Failed"]
     status = _with_storage(status, observed, actions)
     previous_progress_time = status.last_progress_time
-    status = with_observations(status, _holding_record_of_unrecorded_round(observed, status, current))
+    status = with_observations(status, _holding_record_of_unrecorded_round(observed, status, current, tj))
     _report_restore_fallback(status, observed, previous_progress_time, actions)
     status = _with_local_tier(tj, status, observed, actions)
 
@@ -216,7 +216,7 @@ def _decide(tj: TrainingJob, observed: Observed) -> tuple[TrainingJobStatus, Act
         return _without_jobset(tj, status, observed, actions)
     if current.state == "Completed":
         return _completed(tj, status, observed, actions, current)
-    if tj.spec.suspend or current.state == "Suspended" or current.resuming:
+    if _suspension_holds(tj, current):
         # Pods stopped by a suspension exit 143 after saving: that is not a failure, never classified.
         return _suspension(tj, status, observed, actions, current)
     current = _without_pods_from_before_resume(current)
@@ -456,14 +456,23 @@ def _still_running_before(attempt: int, observed: Observed) -> int:
     return _still_writing((js for js in observed.jobsets if js.attempt < attempt), observed)
 
 
+def _suspension_holds(tj: TrainingJob, current: JobSetFacts) -> bool:
+    """Whether the current attempt is the suspension's to handle (_suspension): suspended, being
+    suspended, or resuming with pods from before the resume."""
+    return tj.spec.suspend or current.state == "Suspended" or current.resuming
+
+
 def _holding_record_of_unrecorded_round(
-    observed: Observed, status: TrainingJobStatus, current: JobSetFacts | None
+    observed: Observed, status: TrainingJobStatus, current: JobSetFacts | None, tj: TrainingJob
 ) -> Observed:
     """The observations to fold into status: the trainer's record is held back while JobSet shows an
     in-place round the status has not recorded (the failure is decided up to a kubelet lease later): it
     may already be the restarted process's, and folding it first would make the failure's step the
-    recovery's. It is folded once the round is recorded (_restarting_in_place)."""
+    recovery's. It is folded once the round is recorded (_restarting_in_place). A suspension records no
+    round, so nothing is held while it lasts: holding would only freeze status.step."""
     if current is None or not current.in_place or current.in_place_round <= status.in_place_round:
+        return observed
+    if _suspension_holds(tj, current):
         return observed
     return dataclasses.replace(observed, progress=None)
 
