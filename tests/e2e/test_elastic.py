@@ -15,9 +15,11 @@ from typing import Any
 from kubernetes import client
 from tpujob_devcluster.pools import Pool, node_manifests
 
-from .conftest import E2E
+from .conftest import E2E, PACED
 
-STEPS = 2500
+# Paced: at least 75 s of steps, of which the shrunk attempt's 50 and the grow's wait (GROW_AFTER) spend
+# about 35 s; the rest is margin on any machine (a loaded one only trains slower).
+STEPS = 1500
 SHRINK_AFTER = 10
 GROW_AFTER = 30  # the least the API allows: the pool comes back well after that
 # Node loss to training on 1 slice: detection (the node is gone) + a new attempt that waits
@@ -51,6 +53,7 @@ def _lose_and_regain(e2e: E2E, name: str, pools: list[Pool], nodes: dict[str, di
         topology=pools[0].topology,
         slices=2,
         elastic={"minSlices": 1, "shrinkAfterSeconds": SHRINK_AFTER, "growAfterSeconds": GROW_AFTER},
+        min_step_seconds=PACED,
     )
     status = e2e.wait(
         name,

@@ -19,9 +19,11 @@ from typing import Any
 
 import pytest
 from kubernetes import client
+from tpujob_contract import NODE_POOL_LABEL, TPU_RESOURCE
 from tpujob_devcluster.cluster import BUCKET
 from tpujob_devcluster.harness import OPERATOR_NAMESPACE, signal_pod
 from tpujob_devcluster.pools import Pool, node_manifests
+from tpujob_operator.jobset import CONTAINER_SECURITY_CONTEXT, POD_SECURITY_CONTEXT
 
 from .conftest import E2E, PACED, Scenarios, run_side_by_side
 
@@ -451,18 +453,41 @@ def scenario_pods_refused(e2e: E2E) -> None:
     assert (status["restarts"], status["attempt"]) == (0, 0), status
 
 
+def _holding_every_chip(name: str, pool: Pool) -> dict[str, Any]:
+    """Another team's plain batch Job (not a TrainingJob) whose pod holds every TPU chip of the pool's node."""
+    chips = str(pool.shape.chips_per_host)
+    container = {
+        "name": "hold", "image": "registry.k8s.io/pause:3.10",
+        "resources": {"requests": {TPU_RESOURCE: chips}, "limits": {TPU_RESOURCE: chips}},
+        "securityContext": CONTAINER_SECURITY_CONTEXT,
+    }  # fmt: skip
+    pod = {
+        "restartPolicy": "Never",
+        "securityContext": POD_SECURITY_CONTEXT,  # the namespace enforces Pod Security "restricted"
+        "nodeSelector": {NODE_POOL_LABEL: pool.name},
+        "tolerations": [{"key": TPU_RESOURCE, "operator": "Exists", "effect": "NoSchedule"}],
+        "containers": [container],
+    }
+    return {
+        "apiVersion": "batch/v1", "kind": "Job", "metadata": {"name": name},
+        "spec": {"backoffLimit": 0, "template": {"spec": pod}},
+    }  # fmt: skip
+
+
 def scenario_busy_pool(e2e: E2E) -> None:
-    """A pool that exists but is busy (another job holds its only slice): the waiting job shows
-    Pending/Unschedulable with the scheduler's own message (Insufficient google.com/tpu), no restart;
-    once the holder is gone, it is scheduled and trains."""
+    """A pool that exists but is busy (another team's plain batch Job holds its only slice): the waiting
+    job shows Pending/Unschedulable with the scheduler's own message (Insufficient google.com/tpu), no
+    restart; once the holder is gone, it is scheduled and trains."""
     holder, name = "holder", "busy"
     pool = Pool(f"v6e8-{e2e.namespace}", "tpu-v6e-slice", "2x4")  # no other scenario asks for 2x4
     shape: dict[str, Any] = {"accelerator": pool.accelerator, "topology": pool.topology, "slices": 1}
     [node] = node_manifests([pool], 0)
     e2e.core.create_node(node)  # type: ignore[arg-type]  # the client posts a dict as it is
     try:
-        e2e.apply(holder, STEPS, min_step_seconds=1, **shape)  # holds the slice for 20 minutes, nearly idle
-        e2e.wait(holder, lambda s: s.get("stage") in ("StartingUp", "Training"), 120, "the holder scheduled")
+        e2e.batch.create_namespaced_job(e2e.namespace, _holding_every_chip(holder, pool))  # type: ignore[arg-type]
+        held = [node["metadata"]["name"]]
+        holders = f"batch.kubernetes.io/job-name={holder}"
+        e2e.until(lambda: [p.spec.node_name for p in e2e.pods(holders)] == held, 120, "the holder bound")
         e2e.apply(name, 100, **shape)
         status = e2e.wait(
             name, lambda s: (_true_condition(s) or {}).get("reason") == "Unschedulable", 120, "Pending/Unschedulable"
@@ -475,7 +500,7 @@ def scenario_busy_pool(e2e: E2E) -> None:
         assert "Insufficient google.com/tpu" in scheduled.message, scheduled.message
         assert scheduled.message in (_true_condition(status) or {})["message"], (scheduled.message, status)
 
-        e2e.delete_job(holder)
+        e2e.batch.delete_namespaced_job(holder, e2e.namespace, propagation_policy="Background")
         status = e2e.wait(name, lambda s: s.get("stage") in ("StartingUp", "Training"), 180, "scheduled once free")
         assert (status.get("restarts"), status.get("attempt")) == (0, 0), status
     finally:

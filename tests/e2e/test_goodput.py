@@ -12,7 +12,7 @@ from typing import Any
 from kubernetes import client
 from tpujob_devcluster.harness import OPERATOR_NAMESPACE
 
-from .conftest import E2E
+from .conftest import E2E, PACED
 
 V5E: dict[str, Any] = {"accelerator": "tpu-v5-lite-podslice", "topology": "2x2", "slices": 1}
 
@@ -52,7 +52,8 @@ def _sample(text: str, metric: str, **labels: str) -> float | None:
 
 def test_a_killed_and_preempted_job_accounts_for_its_wall_time_and_is_scraped(e2e):
     name = "ledger"
-    e2e.apply(name, 3000, restart={"maxRestarts": 2}, **V5E)  # long enough to be hit twice while training
+    # Long enough to be hit twice while training: at least 30 s of steps; each hit comes as soon as it trains.
+    e2e.apply(name, 600, restart={"maxRestarts": 2}, min_step_seconds=PACED, **V5E)
     e2e.signal_pod(_training(e2e, name, 0, 30), signal.SIGKILL)
     pod = _training(e2e, name, 1, 0)
     # The metrics of a live job, after its first restart: one counted ApplicationError.

@@ -17,7 +17,7 @@ import pytest
 from tpujob_devcluster.cluster import BUCKET, DevCluster
 from tpujob_devcluster.kueue import HIGH_PRIORITY, LOW_PRIORITY, flavor_name
 
-from .conftest import E2E
+from .conftest import E2E, PACED, trainer_args
 
 ACCELERATOR, TOPOLOGY = "tpu-v5-lite-podslice", "2x2"
 V5E = {"accelerator": ACCELERATOR, "topology": TOPOLOGY, "slices": 1}
@@ -36,7 +36,7 @@ def queued(devcluster: DevCluster, e2e: E2E) -> Iterator[E2E]:
         devcluster.set_kueue_quota(None)
 
 
-def _apply_queued(e2e: E2E, name: str, steps: int, priority: str) -> None:
+def _apply_queued(e2e: E2E, name: str, steps: int, priority: str, min_step_seconds: float = 0.0) -> None:
     """Like E2E.apply, with Kueue's labels: the LocalQueue and the WorkloadPriorityClass."""
     labels = {"kueue.x-k8s.io/queue-name": QUEUE, "kueue.x-k8s.io/priority-class": priority}
     manifest: dict[str, Any] = {
@@ -45,7 +45,7 @@ def _apply_queued(e2e: E2E, name: str, steps: int, priority: str) -> None:
         "metadata": {"name": name, "labels": labels},
         "spec": {
             "image": "tpujob-trainer:dev",
-            "args": ["--model", "tiny", "--steps", str(steps), "--batch-size", "8", "--log-every", "10"],
+            "args": trainer_args(steps, min_step_seconds),
             "tpu": V5E,
             "checkpoint": {"directory": f"gs://{BUCKET}/e2e", "policy": "continuous"},
             "restart": {"backoffSeconds": 1, "maxRestarts": 0},
@@ -96,7 +96,7 @@ def test_a_job_beyond_quota_waits_queued_until_the_running_one_finishes(queued: 
 
 def test_a_higher_priority_job_preempts_without_costing_the_low_one_a_step(queued: E2E):
     e2e = queued
-    _apply_queued(e2e, "low", 3000, LOW_PRIORITY)
+    _apply_queued(e2e, "low", 1000, LOW_PRIORITY, min_step_seconds=PACED)  # 40 s of steps after the 150th
     e2e.wait("low", lambda s: s.get("phase") == "Running" and (s.get("step") or 0) >= 150, 180, "low training")
     e2e.until(lambda: (e2e.latest_committed("low") or 0) > 0, 60, "a committed step of low")
     _apply_queued(e2e, "high", 200, HIGH_PRIORITY)

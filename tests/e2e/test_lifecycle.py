@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from .conftest import PACED
+
 
 def test_job_without_a_matching_node_pool_stays_pending_and_says_why(e2e):
     e2e.apply("nopool", 10, accelerator="tpu-v6e-slice", topology="4x4", slices=1)
@@ -17,9 +19,9 @@ def test_job_without_a_matching_node_pool_stays_pending_and_says_why(e2e):
 
 
 def test_deleting_a_running_job_removes_jobset_pods_and_processes_but_keeps_checkpoints(e2e):
-    e2e.apply(
-        "doomed", 5000, accelerator="tpu-v5-lite-podslice", topology="2x2", slices=1
-    )  # still training when deleted
+    e2e.apply(  # still training when deleted: at least 50 s of steps
+        "doomed", 1000, accelerator="tpu-v5-lite-podslice", topology="2x2", slices=1, min_step_seconds=PACED
+    )
     e2e.wait("doomed", lambda s: s.get("latestCheckpoint") and s.get("phase") == "Running", 300, "a checkpoint")
     pod = e2e.running_pod("doomed-a0-slice-0-0")
     pids = e2e.trainer_pids(pod)

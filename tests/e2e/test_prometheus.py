@@ -18,7 +18,7 @@ from tpujob_devcluster.cluster import DevCluster
 from tpujob_devcluster.harness import OPERATOR_RELEASE, render_template
 from tpujob_devcluster.prometheus import Prometheus, scrape_config
 
-from .conftest import E2E
+from .conftest import E2E, PACED
 
 V5E: dict[str, Any] = {"accelerator": "tpu-v5-lite-podslice", "topology": "2x2", "slices": 1}
 T = TypeVar("T")
@@ -64,7 +64,7 @@ def test_a_killed_worker_shows_in_promql_and_fires_the_budget_alert(e2e: E2E, pr
     before = {part: prometheus.value(recovery.format(part)) or 0.0 for part in ("sum", "count")}
 
     name = "scraped"
-    e2e.apply(name, 1500, restart={"maxRestarts": 2}, **V5E)
+    e2e.apply(name, 600, restart={"maxRestarts": 2}, min_step_seconds=PACED, **V5E)
     e2e.wait(name, lambda s: s.get("phase") == "Running" and (s.get("step") or 0) > 20, 300, "training")
     e2e.signal_pod(e2e.running_pod(f"{name}-a0-slice-0-0"), signal.SIGKILL)
     status = e2e.wait(name, lambda s: (s.get("lastFailure") or {}).get("recoverySeconds") is not None, 300, "recovered")
