@@ -14,12 +14,16 @@ from pathlib import Path
 
 import pytest
 import tpujob_contract as contract
+from tpujob.config import STORAGE_WAIT_ENV
 from tpujob_devcluster.fakegcs import FakeGcsServer
 
 from tests.trainer.faults import FaultProxy, RestartableGcs
 from tests.trainer.procs import BUCKET, Attempt, Job
 
 SHAPE = ["--batch-size", "4", "--seq-len", "32"]
+# Steps of at least 50 ms for the runs that train until the test stops them: the faults' seconds cost a
+# few hundred steps, not thousands (the math is the unpaced reference's).
+PACED = ["--min-step-seconds", "0.05"]
 TINY = ["--steps", "12", *SHAPE]
 
 
@@ -61,8 +65,7 @@ def test_storage_faults_mid_run_cost_nothing(
     # XLA's optimised steps: this run is long in steps, not in compiles (tests/conftest.py TEST_JAX_ENV).
     one_device = {"XLA_FLAGS": "--xla_force_host_platform_device_count=1", "JAX_DISABLE_MOST_OPTIMIZATIONS": "0"}
     faulty_job.base_env = {**faulty_job.base_env, **one_device}
-    # Paced (the math is the unpaced reference's): the faults' 35 s cost a few hundred steps, not thousands.
-    attempt = faulty_job.start([*args, "--min-step-seconds", "0.05"])
+    attempt = faulty_job.start([*args, *PACED])
     _run_with_faults(faulty_job, faulty_gcs, attempt)
     attempt.signal(signal.SIGTERM)
     assert attempt.wait(quiet=120) == [143], attempt.output()[-4000:]
@@ -119,9 +122,9 @@ def test_storage_lost_while_training_ends_the_attempt_with_exit_3_before_the_han
     The trainer gives up at half that clock (TPUJOB_HANG_TIMEOUT_SECONDS) with exit 3, which the
     operator restarts without counting; every step committed before stays committed."""
     # The default limit: a storage wait the job sets (the tier's 120 s) would be the limit instead.
-    faulty_job.base_env = {k: v for k, v in faulty_job.base_env.items() if k != "TPUJOB_STORAGE_WAIT_SECONDS"}
+    faulty_job.base_env = {k: v for k, v in faulty_job.base_env.items() if k != STORAGE_WAIT_ENV}
     attempt = faulty_job.start(
-        ["--steps", "1000000", *SHAPE, "--log-every", "20", "--min-step-seconds", "0.05"],
+        ["--steps", "1000000", *SHAPE, "--log-every", "20", *PACED],
         {"TPUJOB_HANG_TIMEOUT_SECONDS": "16", "TPUJOB_STORAGE_TIMEOUT_SECONDS": "3"},
     )
     attempt.wait_until(lambda: len(faulty_job.committed_steps()) >= 2, quiet=120)
